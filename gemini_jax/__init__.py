@@ -1,0 +1,1 @@
+"""gemini_jax: long-context LLM decoding under a memory wall."""

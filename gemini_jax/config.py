@@ -1,0 +1,206 @@
+"""Frozen, validated configuration dataclasses.
+
+Everything static lives here; all of it is hashable so it can be a `jax.jit` static argument.
+Changing state (weights, caches, counters) lives elsewhere. Each config validates itself once,
+at construction, and names the field, the value and what is allowed when it refuses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from gemini_jax.errors import ConfigError
+
+DTYPES = ("float32", "bfloat16", "float16")
+ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
+NORM_KINDS = ("rms", "rms_plus_one")
+ROPE_KINDS = ("default", "linear", "llama3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "tiny")
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RopeConfig:
+    """Rotary embedding: base frequency and optional context-extension scaling."""
+
+    theta: float = 10000.0
+    kind: str = "default"  # default | linear | llama3
+    factor: float = 1.0
+    low_freq_factor: float = 1.0  # llama3 only
+    high_freq_factor: float = 4.0  # llama3 only
+    original_max_position: int = 8192  # llama3 only
+
+    def __post_init__(self):
+        _require(self.theta > 0, f"rope.theta={self.theta} must be > 0.")
+        _require(self.kind in ROPE_KINDS, f"rope.kind={self.kind!r} must be one of {ROPE_KINDS}.")
+        _require(self.factor > 0, f"rope.factor={self.factor} must be > 0.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """A decoder's shape and its family's quirks, expressed as data.
+
+    `layer_windows[i]` is the sliding-window size of layer i (0 = full attention): a query at
+    position p sees keys at positions p - window < k <= p. `local_rope` is the rope used by
+    sliding layers when it differs from the global one (Gemma 3).
+    """
+
+    family: str = "llama"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position: int = 8192
+    norm_eps: float = 1e-6
+    norm_kind: str = "rms"  # rms: w * x_hat | rms_plus_one: (1 + w) * x_hat (Gemma)
+    activation: str = "silu"
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k before rope (Qwen3, Gemma 3)
+    sandwich_norms: bool = False  # extra norms after attention and after the MLP (Gemma 2/3)
+    embed_scale: bool = False  # multiply embeddings by sqrt(hidden_size) (Gemma)
+    attn_scale: Optional[float] = None  # None: head_dim ** -0.5
+    attn_softcap: Optional[float] = None
+    final_softcap: Optional[float] = None
+    tie_embeddings: bool = False
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    local_rope: Optional[RopeConfig] = None
+    layer_windows: tuple[int, ...] = ()
+    bos_id: Optional[int] = None
+    eos_id: Optional[int] = None
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        if isinstance(self.rope, dict):
+            object.__setattr__(self, "rope", RopeConfig(**self.rope))
+        if isinstance(self.local_rope, dict):
+            object.__setattr__(self, "local_rope", RopeConfig(**self.local_rope))
+        if not self.layer_windows:
+            object.__setattr__(self, "layer_windows", (0,) * self.num_layers)
+        object.__setattr__(self, "layer_windows", tuple(int(w) for w in self.layer_windows))
+        _require(self.family in FAMILIES, f"family={self.family!r} must be one of {FAMILIES}.")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position"):
+            v = getattr(self, name)
+            _require(isinstance(v, int) and v > 0, f"{name}={v!r} must be a positive integer.")
+        _require(self.num_heads % self.num_kv_heads == 0,
+                 f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}.")
+        _require(self.head_dim % 2 == 0, f"head_dim={self.head_dim} must be even (rotary pairs).")
+        _require(self.norm_kind in NORM_KINDS, f"norm_kind={self.norm_kind!r} must be one of {NORM_KINDS}.")
+        _require(self.activation in ACTIVATIONS,
+                 f"activation={self.activation!r} must be one of {ACTIVATIONS}.")
+        _require(self.dtype in DTYPES, f"dtype={self.dtype!r} must be one of {DTYPES}.")
+        _require(len(self.layer_windows) == self.num_layers,
+                 f"layer_windows has {len(self.layer_windows)} entries; num_layers={self.num_layers}.")
+        _require(all(w >= 0 for w in self.layer_windows),
+                 f"layer_windows={self.layer_windows} must be >= 0 (0 = full attention).")
+        for name in ("attn_softcap", "final_softcap", "attn_scale"):
+            v = getattr(self, name)
+            _require(v is None or v > 0, f"{name}={v} must be None or > 0.")
+        for name in ("bos_id", "eos_id"):
+            v = getattr(self, name)
+            _require(v is None or 0 <= v < self.vocab_size,
+                     f"{name}={v} must be None or in [0, vocab_size={self.vocab_size}).")
+
+    @property
+    def group_size(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def scale(self) -> float:
+        return self.attn_scale if self.attn_scale is not None else self.head_dim ** -0.5
+
+    @property
+    def max_window(self) -> int:
+        """Largest sliding window, or 0 if any layer attends to the full context."""
+        return 0 if any(w == 0 for w in self.layer_windows) else max(self.layer_windows)
+
+    def num_params(self) -> int:
+        E, I, V, L = self.hidden_size, self.intermediate_size, self.vocab_size, self.num_layers
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        per_layer = E * (q + 2 * kv) + q * E + 3 * E * I
+        return L * per_layer + V * E * (1 if self.tie_embeddings else 2)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """How to pick the next token. temperature == 0 means greedy (top_k/top_p ignored)."""
+
+    max_new_tokens: int = 32
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1.0 = off
+    seed: int = 0
+    stop_at_eos: bool = True
+
+    def __post_init__(self):
+        from gemini_jax.errors import SamplingError
+
+        def req(cond, msg):
+            if not cond:
+                raise SamplingError(msg)
+
+        req(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 0,
+            f"max_new_tokens={self.max_new_tokens!r} must be an integer >= 0.")
+        req(self.temperature >= 0, f"temperature={self.temperature} must be >= 0 (0 = greedy).")
+        req(isinstance(self.top_k, int) and self.top_k >= 0, f"top_k={self.top_k!r} must be an integer >= 0 (0 = off).")
+        req(0.0 < self.top_p <= 1.0, f"top_p={self.top_p} must be in (0, 1] (1 = off).")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """How the engine runs a model: sequence limits, prefill chunking, cache layout and dtype.
+
+    cache_kind "contiguous" is the dense reference cache: one [max_seq_len] buffer per sequence.
+    """
+
+    max_seq_len: int = 4096
+    max_batch: int = 8
+    prefill_chunk: int = 512
+    cache_kind: str = "contiguous"
+    cache_dtype: Optional[str] = None  # None: the model's dtype
+
+    def __post_init__(self):
+        _require(isinstance(self.max_seq_len, int) and self.max_seq_len > 0,
+                 f"max_seq_len={self.max_seq_len!r} must be a positive integer.")
+        _require(isinstance(self.max_batch, int) and self.max_batch > 0,
+                 f"max_batch={self.max_batch!r} must be a positive integer.")
+        _require(isinstance(self.prefill_chunk, int) and self.prefill_chunk > 0,
+                 f"prefill_chunk={self.prefill_chunk!r} must be a positive integer.")
+        _require(self.cache_kind in ("contiguous",),
+                 f"cache_kind={self.cache_kind!r} must be one of ('contiguous',).")
+        _require(self.cache_dtype is None or self.cache_dtype in DTYPES,
+                 f"cache_dtype={self.cache_dtype!r} must be None or one of {DTYPES}.")
+
+
+def replace(cfg, **changes):
+    """`dataclasses.replace` that re-runs validation."""
+    return dataclasses.replace(cfg, **changes)
+
+
+def from_dict(cls, data: dict[str, Any]):
+    """Build a config dataclass from a plain mapping (e.g. a Hydra node), refusing unknown keys."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"{cls.__name__} got unknown field(s) {unknown}; allowed: {sorted(names)}.")
+    kwargs = dict(data)
+    if cls is ModelConfig:
+        for key in ("rope", "local_rope"):
+            if isinstance(kwargs.get(key), dict):
+                kwargs[key] = RopeConfig(**kwargs[key])
+        if "layer_windows" in kwargs and kwargs["layer_windows"] is not None:
+            kwargs["layer_windows"] = tuple(kwargs["layer_windows"])
+    try:
+        return cls(**kwargs)
+    except TypeError as e:  # missing required field
+        raise ConfigError(f"{cls.__name__}: {e}") from None

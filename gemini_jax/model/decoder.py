@@ -1,0 +1,172 @@
+"""The decoder: one Flax NNX module for every supported family.
+
+Family differences are data in `ModelConfig` (norm kind, sandwich norms, qk-norm, biases,
+soft-caps, per-layer sliding windows and rope), not subclasses. Layer weights are stacked along
+a leading layer axis and the layers run under `jax.lax.scan`, so compile time does not grow with
+depth. Attention over past keys is delegated to a *KV backend* (dense, contiguous cache, paged
+cache ...) so the model itself never knows where the KV lives.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from gemini_jax.config import ModelConfig
+from gemini_jax.model import layers as L
+
+# Per-layer weights: name -> shape given the config (None when the family lacks it).
+def layer_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    E, I, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_heads * D, cfg.num_kv_heads * D
+    shapes = {
+        "attn_norm": (E,), "wq": (E, q), "wk": (E, kv), "wv": (E, kv), "wo": (q, E),
+        "mlp_norm": (E,), "w_gate": (E, I), "w_up": (E, I), "w_down": (I, E),
+    }
+    if cfg.qkv_bias:
+        shapes.update(bq=(q,), bk=(kv,), bv=(kv,))
+    if cfg.o_bias:
+        shapes.update(bo=(E,))
+    if cfg.qk_norm:
+        shapes.update(q_norm=(D,), k_norm=(D,))
+    if cfg.sandwich_norms:
+        shapes.update(post_attn_norm=(E,), post_mlp_norm=(E,))
+    return shapes
+
+
+def _is_norm(name: str) -> bool:
+    return name.endswith("norm")
+
+
+class LayerStack(nnx.Module):
+    """All decoder layers' weights, each stacked along a leading [num_layers] axis."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        dtype = jnp.dtype(cfg.dtype)
+        n = cfg.num_layers
+        out_std = 0.02 / np.sqrt(2 * n)  # GPT-2 style: residual writers start small
+        for name, shape in layer_param_shapes(cfg).items():
+            full = (n, *shape)
+            if _is_norm(name):
+                init = jnp.zeros(full, dtype) if cfg.norm_kind == "rms_plus_one" else jnp.ones(full, dtype)
+            elif name.startswith("b"):
+                init = jnp.zeros(full, dtype)
+            else:
+                std = out_std if name in ("wo", "w_down") else 0.02
+                init = (std * jax.random.normal(rngs.params(), full, jnp.float32)).astype(dtype)
+            setattr(self, name, nnx.Param(init))
+
+    def arrays(self) -> dict[str, jax.Array]:
+        return {k: v[...] for k, v in vars(self).items() if isinstance(v, nnx.Param)}
+
+
+# A KV backend attends the new queries to past + new keys and returns its updated cache.
+#   backend(layer, q[B,T,H,D], k[B,T,K,D], v[B,T,K,D], q_pos[B,T], window, cache) -> (out, cache)
+KVBackend = Callable[..., tuple[jax.Array, Any]]
+
+
+def self_attention_backend(cfg: ModelConfig) -> KVBackend:
+    """No cache: the tokens attend to themselves (full-sequence reference forward)."""
+
+    def attend(layer, q, k, v, q_pos, window, cache):
+        del layer
+        valid = jnp.ones(q_pos.shape, bool)
+        mask = L.attention_mask(q_pos, q_pos, valid, window)
+        return L.dense_attention(q, k, v, mask, scale=cfg.scale, cap=cfg.attn_softcap), cache
+
+    return attend
+
+
+class Decoder(nnx.Module):
+    """Token ids -> logits. `__call__` takes a KV backend; `gj.forward` is the no-cache path."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        dtype = jnp.dtype(cfg.dtype)
+        self.embed = nnx.Param(
+            (0.02 * jax.random.normal(rngs.params(), (cfg.vocab_size, cfg.hidden_size))).astype(dtype))
+        self.layers = LayerStack(cfg, rngs)
+        norm_init = jnp.zeros if cfg.norm_kind == "rms_plus_one" else jnp.ones
+        self.final_norm = nnx.Param(norm_init((cfg.hidden_size,), dtype))
+        if not cfg.tie_embeddings:
+            self.lm_head = nnx.Param(
+                (0.02 * jax.random.normal(rngs.params(), (cfg.hidden_size, cfg.vocab_size))).astype(dtype))
+        else:
+            self.lm_head = None
+
+    def __call__(self, tokens, positions, backend: Optional[KVBackend] = None, cache=None,
+                 *, remat: bool = False, last_only: bool = False):
+        """tokens, positions int32[B, T] -> (logits f32[B, T or 1, V], cache)."""
+        cfg = self.cfg
+        backend = backend or self_attention_backend(cfg)
+        h = self.embed[...][tokens]
+        if cfg.embed_scale:
+            h = h * jnp.asarray(cfg.hidden_size ** 0.5, dtype=h.dtype)
+
+        cos_g, sin_g = L.rope_angles(positions, L.inv_frequencies(cfg.rope, cfg.head_dim))
+        local = cfg.local_rope or cfg.rope
+        cos_l, sin_l = L.rope_angles(positions, L.inv_frequencies(local, cfg.head_dim))
+        windows = jnp.asarray(cfg.layer_windows, jnp.int32)
+        is_local = jnp.asarray([w > 0 and cfg.local_rope is not None for w in cfg.layer_windows])
+
+        def layer_fn(carry, xs):
+            h, cache = carry
+            p, window, use_local, idx = xs
+            cos = jnp.where(use_local, cos_l, cos_g)
+            sin = jnp.where(use_local, sin_l, sin_g)
+            attn_out, cache = self._attention(p, h, positions, cos, sin, window, idx, backend, cache)
+            h = h + attn_out
+            h = h + self._mlp(p, h)
+            return (h, cache), None
+
+        if remat:
+            layer_fn = jax.checkpoint(layer_fn)
+        xs = (self.layers.arrays(), windows, is_local, jnp.arange(cfg.num_layers))
+        (h, cache), _ = jax.lax.scan(layer_fn, (h, cache), xs)
+        if last_only:
+            h = h[:, -1:]
+        return self.logits(h), cache
+
+    def logits(self, h):
+        cfg = self.cfg
+        h = L.rms_norm(h, self.final_norm[...], cfg.norm_eps, cfg.norm_kind == "rms_plus_one")
+        head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
+        out = jnp.einsum("bte,ev->btv", h, head, preferred_element_type=jnp.float32)
+        return L.softcap(out, cfg.final_softcap)
+
+    def _norm(self, x, w):
+        return L.rms_norm(x, w, self.cfg.norm_eps, self.cfg.norm_kind == "rms_plus_one")
+
+    def _attention(self, p, h, positions, cos, sin, window, idx, backend, cache):
+        cfg = self.cfg
+        B, T, _ = h.shape
+        x = self._norm(h, p["attn_norm"])
+        q, k, v = x @ p["wq"], x @ p["wk"], x @ p["wv"]
+        if cfg.qkv_bias:
+            q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+        q = q.reshape(B, T, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q, k = self._norm(q, p["q_norm"]), self._norm(k, p["k_norm"])
+        q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
+        out, cache = backend(idx, q, k, v, positions, window, cache)
+        out = out.reshape(B, T, cfg.num_heads * cfg.head_dim) @ p["wo"]
+        if cfg.o_bias:
+            out = out + p["bo"]
+        if cfg.sandwich_norms:
+            out = self._norm(out, p["post_attn_norm"])
+        return out, cache
+
+    def _mlp(self, p, h):
+        cfg = self.cfg
+        x = self._norm(h, p["mlp_norm"])
+        x = L.activation(cfg.activation)(x @ p["w_gate"]) * (x @ p["w_up"])
+        x = x @ p["w_down"]
+        if cfg.sandwich_norms:
+            x = self._norm(x, p["post_mlp_norm"])
+        return x
