@@ -25,10 +25,12 @@ from flax import nnx
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from gemini_jax.config import ModelConfig, from_dict
+from gemini_jax.config import ModelConfig
+from gemini_jax.hydra_schema import build, register
 from gemini_jax.data import corpus, tasks
 from gemini_jax.model import Decoder
 
+register()
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -79,7 +81,7 @@ def main(cfg: DictConfig) -> None:
     os.environ.setdefault("WANDB_MODE", cfg.wandb.mode)
     import wandb
 
-    mcfg = from_dict(ModelConfig, OmegaConf.to_container(cfg.model, resolve=True))
+    mcfg = build(ModelConfig, cfg.model)
     stages = OmegaConf.to_container(cfg.stages, resolve=True)
     total = int(cfg.max_steps or stages[-1]["until"])
     ckpt_dir = os.path.abspath(os.path.join(ROOT, cfg.ckpt_dir) if not os.path.isabs(cfg.ckpt_dir) else cfg.ckpt_dir)

@@ -1,1 +1,35 @@
-"""gemini_jax: long-context LLM decoding under a memory wall."""
+"""gemini_jax: long-context LLM decoding under a memory wall.
+
+    import gemini_jax as gj
+    model = gj.load_tiny()
+    eng = gj.Engine(model, gj.EngineConfig(max_seq_len=4096))
+    out = eng.generate(prompt_tokens, gj.SamplingParams(max_new_tokens=64))
+"""
+
+from gemini_jax import errors
+from gemini_jax.config import EngineConfig, ModelConfig, RopeConfig, SamplingParams
+from gemini_jax.engine import COUNTERS, Engine, GenerateOutput
+from gemini_jax.model import Decoder, forward
+from gemini_jax.tokenizer import ByteTokenizer, HFTokenizer
+
+Model = Decoder
+
+
+def load_hf(path: str, dtype: str = "float32") -> Decoder:
+    """A Hugging Face safetensors directory -> Model (see gemini_jax.weights)."""
+    from gemini_jax.weights import load_hf as _load_hf
+
+    return _load_hf(path, dtype=dtype)
+
+
+def load_tiny() -> Decoder:
+    """The small byte-level model shipped inside the package (no network)."""
+    from gemini_jax.tiny import load_tiny as _load_tiny
+
+    return _load_tiny()
+
+
+__all__ = [
+    "COUNTERS", "ByteTokenizer", "Decoder", "Engine", "EngineConfig", "GenerateOutput", "HFTokenizer",
+    "Model", "ModelConfig", "RopeConfig", "SamplingParams", "errors", "forward", "load_hf", "load_tiny",
+]

@@ -204,3 +204,48 @@ def from_dict(cls, data: dict[str, Any]):
         return cls(**kwargs)
     except TypeError as e:  # missing required field
         raise ConfigError(f"{cls.__name__}: {e}") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class HardwareConfig:
+    """A machine tier. Numbers are nominal vendor figures (bandwidths in GB/s, IOPS for 4 KiB
+    random reads), used by the cost model to project; `measured` tiers fill them at run time."""
+
+    name: str
+    device_memory_gb: float
+    host_memory_gb: float
+    device_bandwidth_gbs: Optional[float] = None  # None: measure on this machine
+    host_link_gbs: Optional[float] = None
+    disk_read_gbs: Optional[float] = None
+    disk_iops: Optional[float] = None
+    dtype: str = "bfloat16"
+    attention_impl: str = "xla"  # xla | pallas
+    mesh: dict = field(default_factory=lambda: {"data": 1, "model": 1})
+    present: bool = False  # True only for the tier that describes the machine we run on
+    notes: str = ""
+
+    def __post_init__(self):
+        _require(self.device_memory_gb > 0, f"device_memory_gb={self.device_memory_gb} must be > 0.")
+        _require(self.host_memory_gb > 0, f"host_memory_gb={self.host_memory_gb} must be > 0.")
+        _require(self.dtype in DTYPES, f"hardware dtype={self.dtype!r} must be one of {DTYPES}.")
+        _require(self.attention_impl in ("xla", "pallas"),
+                 f"attention_impl={self.attention_impl!r} must be 'xla' or 'pallas'.")
+        for k, v in self.mesh.items():
+            _require(isinstance(v, int) and v >= 1, f"mesh.{k}={v!r} must be an integer >= 1.")
+
+    def __hash__(self):
+        return hash((self.name, tuple(sorted(self.mesh.items()))))
+
+
+def windows_spec(num_layers: int, window: int, pattern: int = 0) -> list[int]:
+    """Per-layer sliding windows from a compact spec (used by Hydra model presets).
+
+    pattern 0: every layer slides; pattern P >= 2: layer i is global when (i + 1) % P == 0
+    (Gemma 2: P = 2, Gemma 3: P = 6), sliding otherwise; window 0: all global.
+    """
+    if window <= 0:
+        return [0] * num_layers
+    if pattern == 0:
+        return [window] * num_layers
+    _require(pattern >= 2, f"sliding pattern={pattern} must be 0 (all sliding) or >= 2.")
+    return [0 if (i + 1) % pattern == 0 else window for i in range(num_layers)]

@@ -9,6 +9,7 @@ cache ...) so the model itself never knows where the KV lives.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Optional
 
 import jax
@@ -99,8 +100,12 @@ class Decoder(nnx.Module):
             self.lm_head = None
 
     def __call__(self, tokens, positions, backend: Optional[KVBackend] = None, cache=None,
-                 *, remat: bool = False, last_only: bool = False):
-        """tokens, positions int32[B, T] -> (logits f32[B, T or 1, V], cache)."""
+                 *, remat: bool = False, select=None):
+        """tokens, positions int32[B, T] -> (logits f32[B, T, V], cache).
+
+        `select` int32[B]: compute logits only at token index select[b] of each row -> [B, 1, V]
+        (prefill needs just the last real token's logits; the vocab projection is not free).
+        """
         cfg = self.cfg
         backend = backend or self_attention_backend(cfg)
         h = self.embed[...][tokens]
@@ -127,8 +132,8 @@ class Decoder(nnx.Module):
             layer_fn = jax.checkpoint(layer_fn)
         xs = (self.layers.arrays(), windows, is_local, jnp.arange(cfg.num_layers))
         (h, cache), _ = jax.lax.scan(layer_fn, (h, cache), xs)
-        if last_only:
-            h = h[:, -1:]
+        if select is not None:
+            h = jnp.take_along_axis(h, select[:, None, None].astype(jnp.int32), axis=1)
         return self.logits(h), cache
 
     def logits(self, h):
@@ -170,3 +175,36 @@ class Decoder(nnx.Module):
         if cfg.sandwich_norms:
             x = self._norm(x, p["post_mlp_norm"])
         return x
+
+
+def validate_tokens(tokens, vocab_size: int, what: str = "prompt") -> np.ndarray:
+    """int32 copy of a 1-D token sequence, or TokenError naming the first bad id."""
+    from gemini_jax.errors import TokenError
+
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise TokenError(f"{what} must be a 1-D sequence of token ids; got shape {arr.shape}.")
+    if arr.size == 0:
+        raise TokenError(f"{what} is empty; give at least one token.")
+    if not np.issubdtype(arr.dtype, np.integer):
+        raise TokenError(f"{what} must hold integer token ids; got dtype {arr.dtype}.")
+    bad = np.flatnonzero((arr < 0) | (arr >= vocab_size))
+    if bad.size:
+        i = int(bad[0])
+        raise TokenError(f"{what}[{i}] = {int(arr[i])} is outside the vocabulary [0, {vocab_size}) "
+                         f"({bad.size} bad id(s) in all).")
+    return arr.astype(np.int32)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _forward_jit(graphdef, state, tokens):
+    model = nnx.merge(graphdef, state)
+    positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)[None]
+    logits, _ = model(tokens[None], positions)
+    return logits[0]
+
+
+def forward(model: Decoder, tokens) -> jax.Array:
+    """Full-sequence logits f32[T, vocab] with dense attention and no cache: the reference path."""
+    toks = validate_tokens(tokens, model.cfg.vocab_size, "tokens")
+    return _forward_jit(*nnx.split(model), jnp.asarray(toks))

@@ -1,0 +1,33 @@
+# The two commands: `make run` (main job) and `make test` (what CI runs).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+export JAX_PLATFORMS ?= cpu
+export WANDB_MODE ?= offline
+
+.PHONY: run test test-slow bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[hf,dev]"
+	touch $@
+
+run: $(VENV)/.installed
+	$(PY) experiments/run.py
+
+test: $(VENV)/.installed-test
+	$(PY) -m pytest -q
+
+test-slow: $(VENV)/.installed-test
+	$(PY) -m pytest -q -m slow
+
+bench: $(VENV)/.installed-test
+	$(PY) experiments/bench.py
+
+clean:
+	rm -rf $(VENV) experiments/outputs experiments/wandb .pytest_cache

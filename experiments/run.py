@@ -1,0 +1,101 @@
+"""The main job (`make run`): load a model, run the selected experiment, print a short table.
+
+    python experiments/run.py                                  # shipped tiny model, generate
+    python experiments/run.py weights=/path/to/hf_dir model=llama3_1_8b sampling.max_new_tokens=32
+    python experiments/run.py experiment=generate experiment.prompt='import os'
+
+Every job logs its config and counters to wandb (offline by default; WANDB_MODE=online works)
+and writes `result.json` into its Hydra output directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import hydra
+import numpy as np
+from omegaconf import DictConfig, OmegaConf
+
+import gemini_jax as gj
+from gemini_jax import tiny
+from gemini_jax.config import EngineConfig, HardwareConfig, ModelConfig, SamplingParams
+from gemini_jax.hydra_schema import build, register
+
+register()
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_model(cfg: DictConfig):
+    """(model, tokenizer, description) for the job's `weights` / `model` settings."""
+    if cfg.weights:
+        model = gj.load_hf(cfg.weights, dtype=cfg.model.dtype)
+        return model, gj.HFTokenizer(cfg.weights), f"HF weights from {cfg.weights}"
+    mcfg = build(ModelConfig, cfg.model)
+    if mcfg.family == "tiny" and tiny.available():
+        return gj.load_tiny(), gj.ByteTokenizer(), "shipped tiny model (gj.load_tiny())"
+    if mcfg.num_params() > 50_000_000:
+        raise gj.errors.ConfigError(
+            f"model={mcfg.family} has {mcfg.num_params() / 1e9:.1f}B parameters and no weights were given; "
+            f"set weights=/path/to/hf_dir (random init is only offered for small models).")
+    from flax import nnx
+
+    model = gj.Decoder(mcfg, rngs=nnx.Rngs(cfg.seed))
+    return model, gj.ByteTokenizer(), "RANDOMLY INITIALISED model (no trained weights available): output is noise"
+
+
+def run_generate(cfg, model, tok, desc):
+    ecfg = build(EngineConfig, cfg.engine)
+    params = build(SamplingParams, cfg.sampling)
+    eng = gj.Engine(model, ecfg)
+    prompt = tok.encode(cfg.experiment.prompt, bos=True)
+    t0 = time.perf_counter()
+    out = eng.generate(prompt, params)
+    wall = time.perf_counter() - t0
+    text = tok.decode(out.tokens)
+    decode_tps = max(len(out.tokens) - 1, 0) / max(out.seconds["decode"], 1e-9)
+    print(f"model: {desc}")
+    print("-" * 60)
+    print(cfg.experiment.prompt + text)
+    print("-" * 60)
+    rows = [("prompt tokens", len(prompt)), ("generated tokens", len(out.tokens)),
+            ("prefill s", f"{out.seconds['prefill']:.2f}"), ("decode tokens/s", f"{decode_tps:.1f}"),
+            ("wall s (incl. compile)", f"{wall:.2f}"),
+            ("KV bytes read / token", f"{out.stats['kv_bytes_read'] / max(out.stats['decode_steps'], 1):,.0f}")]
+    for k, v in rows:
+        print(f"{k:<28}{v}")
+    return {"text": text, "tokens": out.tokens, "stats": out.stats, "seconds": out.seconds,
+            "decode_tokens_per_s": decode_tps, "model": desc}
+
+
+EXPERIMENTS = {"generate": run_generate}
+
+
+@hydra.main(version_base=None, config_path="../conf", config_name="config")
+def main(cfg: DictConfig) -> None:
+    os.environ.setdefault("WANDB_MODE", cfg.wandb.mode)
+    import wandb
+
+    hw = build(HardwareConfig, cfg.hardware)
+    name = cfg.experiment.name
+    if name not in EXPERIMENTS:
+        raise gj.errors.ConfigError(f"experiment.name={name!r} must be one of {sorted(EXPERIMENTS)}.")
+    model, tok, desc = load_model(cfg)
+    wandb_dir = os.path.join(ROOT, cfg.wandb.dir)
+    os.makedirs(wandb_dir, exist_ok=True)
+    run = wandb.init(project=cfg.wandb.project, dir=wandb_dir, mode=cfg.wandb.mode, job_type=name,
+                     config=OmegaConf.to_container(cfg, resolve=True))
+    result = EXPERIMENTS[name](cfg, model, tok, desc)
+    result["hardware"] = hw.name
+    run.log({k: v for k, v in result["stats"].items()})
+    run.finish()
+    out_dir = hydra.core.hydra_config.HydraConfig.get().runtime.output_dir
+    with open(os.path.join(out_dir, "result.json"), "w") as fh:
+        json.dump(result, fh, indent=1, default=lambda o: o.tolist() if isinstance(o, np.ndarray) else str(o))
+    print(f"{'wandb run':<28}{run.dir if hasattr(run, 'dir') else wandb_dir}")
+    print(f"{'result file':<28}{os.path.join(out_dir, 'result.json')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""Hydra structured configs, mirrored from the frozen dataclasses in `gemini_jax.config`.
+
+OmegaConf makes frozen dataclasses read-only, which would refuse command-line overrides, so
+the schema Hydra sees is a mutable mirror generated from the same fields (same names, types and
+defaults). Hydra type-checks overrides against it; the job then builds the frozen, validated
+dataclass with `gemini_jax.config.from_dict`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import typing
+from typing import Any, Dict, List, Optional
+
+from gemini_jax import config as C
+
+
+def _mirror_type(tp):
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        return schema_of(tp)
+    if origin is tuple:
+        return List[args[0]]
+    if origin is dict or tp is dict:
+        return Dict[str, Any]
+    if origin is typing.Union and type(None) in args:
+        inner = [a for a in args if a is not type(None)][0]
+        return Optional[_mirror_type(inner)]
+    return tp
+
+
+@functools.lru_cache(maxsize=None)
+def schema_of(cls):
+    """A mutable dataclass with the fields of the frozen config `cls`."""
+    hints = typing.get_type_hints(cls)
+    fields = []
+    for f in dataclasses.fields(cls):
+        tp = _mirror_type(hints[f.name])
+        if f.default is not dataclasses.MISSING:
+            if isinstance(f.default, tuple):
+                fields.append((f.name, tp, dataclasses.field(default_factory=functools.partial(list, f.default))))
+            else:
+                fields.append((f.name, tp, dataclasses.field(default=f.default)))
+        elif f.default_factory is not dataclasses.MISSING:
+            factory = f.default_factory
+            if dataclasses.is_dataclass(tp):
+                factory = tp
+            fields.append((f.name, tp, dataclasses.field(default_factory=factory)))
+        else:
+            fields.append((f.name, tp, dataclasses.field(default=dataclasses.MISSING)))
+    return dataclasses.make_dataclass(cls.__name__ + "Schema", fields, kw_only=True)
+
+
+_REGISTERED = False
+
+
+def register() -> None:
+    """Register schemas (groups model/hardware/engine/sampling) and the `gj_windows` resolver."""
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    OmegaConf.register_new_resolver(
+        "gj_windows", lambda n, w, p=0: C.windows_spec(int(n), int(w), int(p)), replace=True)
+    cs = ConfigStore.instance()
+    cs.store(group="model", name="schema", node=schema_of(C.ModelConfig))
+    cs.store(group="hardware", name="schema", node=schema_of(C.HardwareConfig))
+    cs.store(group="engine", name="schema", node=schema_of(C.EngineConfig))
+    cs.store(group="sampling", name="schema", node=schema_of(C.SamplingParams))
+    _REGISTERED = True
+
+
+def build(cls, node):
+    """Frozen, validated config from a Hydra node."""
+    from omegaconf import OmegaConf
+
+    data = OmegaConf.to_container(node, resolve=True) if not isinstance(node, dict) else node
+    return C.from_dict(cls, data)

@@ -1,0 +1,58 @@
+"""The small byte-level model shipped inside the package: `gj.load_tiny()`.
+
+Its files live in `gemini_jax/assets/tiny/`: `model.safetensors` + `config.json` (our native
+names, see gemini_jax.weights) and `card.json` (training config, corpus hashes, eval numbers,
+and the sha256 of the weights file, checked on every load).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+from gemini_jax.errors import CheckpointError
+
+ASSET_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "tiny")
+
+
+def sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def card(path: str = ASSET_DIR) -> dict:
+    """The model card: how it was trained and what it scores."""
+    file = os.path.join(path, "card.json")
+    if not os.path.exists(file):
+        raise CheckpointError(f"no shipped tiny model at {path!r} (card.json missing); train one with "
+                              f"`python experiments/train_tiny.py` and export it with "
+                              f"`python experiments/export_tiny.py`.")
+    try:
+        with open(file) as fh:
+            return json.load(fh)
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{file!r} is not valid JSON: {e}") from None
+
+
+def available(path: str = ASSET_DIR) -> bool:
+    return os.path.exists(os.path.join(path, "card.json"))
+
+
+def load_tiny(path: str = ASSET_DIR):
+    """Load the shipped model after checking its weights against the card's sha256."""
+    from gemini_jax.weights import load_safetensors
+
+    info = card(path)
+    weights = os.path.join(path, "model.safetensors")
+    if not os.path.exists(weights):
+        raise CheckpointError(f"{weights!r} is missing.")
+    digest = sha256_file(weights)
+    if digest != info.get("weights_sha256"):
+        raise CheckpointError(f"{weights!r} has sha256 {digest[:16]}…, but card.json records "
+                              f"{str(info.get('weights_sha256'))[:16]}…: the file is corrupt or from "
+                              f"another model. Re-export it with experiments/export_tiny.py.")
+    return load_safetensors(path)

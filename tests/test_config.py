@@ -1,0 +1,76 @@
+"""Config validation errors name the field; Hydra presets compose into valid configs."""
+
+import dataclasses
+import os
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+import gemini_jax as gj
+from gemini_jax.config import EngineConfig, HardwareConfig, ModelConfig, from_dict
+from gemini_jax.errors import ConfigError
+from gemini_jax.hydra_schema import build, register
+from helpers import tiny_config
+
+CONF = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+
+
+@pytest.mark.parametrize("field,value", [
+    ("num_heads", 5), ("head_dim", 15), ("norm_kind", "layer"), ("activation", "relu"),
+    ("dtype", "int8"), ("layer_windows", (1, 2)), ("attn_softcap", -1.0), ("eos_id", 10_000),
+    ("family", "gpt2"), ("vocab_size", 0),
+])
+def test_model_config_errors_name_the_field(field, value):
+    base = dataclasses.asdict(tiny_config("tiny"))
+    base[field] = value
+    with pytest.raises(ConfigError, match=field):
+        from_dict(ModelConfig, base)
+
+
+def test_unknown_field_refused():
+    with pytest.raises(ConfigError, match="unknown field"):
+        from_dict(EngineConfig, {"max_seq_len": 8, "blocksize": 16})
+
+
+@pytest.mark.parametrize("kw", [dict(max_seq_len=0), dict(cache_kind="ring"), dict(cache_dtype="int4"),
+                                dict(prefill_chunk=-3)])
+def test_engine_config_errors(kw):
+    with pytest.raises(ConfigError, match=list(kw)[0]):
+        EngineConfig(**kw)
+
+
+@pytest.mark.parametrize("model", ["tiny", "llama3_1_8b", "mistral_7b", "qwen2_5_7b", "qwen3_8b",
+                                   "gemma2_9b", "gemma3_4b"])
+def test_model_presets_compose(model):
+    register()
+    with initialize_config_dir(config_dir=CONF, version_base=None):
+        cfg = compose(config_name="config", overrides=[f"model={model}"])
+    mcfg = build(ModelConfig, cfg.model)
+    assert len(mcfg.layer_windows) == mcfg.num_layers
+    if model == "gemma2_9b":
+        assert mcfg.layer_windows[:4] == (4096, 0, 4096, 0)
+    if model == "gemma3_4b":
+        assert mcfg.layer_windows[:6] == (1024,) * 5 + (0,) and mcfg.local_rope.theta == 10000.0
+
+
+@pytest.mark.parametrize("hw", ["cpu", "rtx4090", "l40s", "a100_80g", "a100_80g_x8", "h200"])
+def test_hardware_presets(hw):
+    register()
+    with initialize_config_dir(config_dir=CONF, version_base=None):
+        cfg = compose(config_name="config", overrides=[f"hardware={hw}"])
+    h = build(HardwareConfig, cfg.hardware)
+    assert h.name == hw and (h.present == (hw == "cpu"))
+
+
+def test_hydra_override_type_checked():
+    register()
+    with initialize_config_dir(config_dir=CONF, version_base=None):
+        cfg = compose(config_name="config", overrides=["engine.max_seq_len=123"])
+        assert build(EngineConfig, cfg.engine).max_seq_len == 123
+        with pytest.raises(Exception, match="max_seq_len"):
+            compose(config_name="config", overrides=["engine.max_seq_len=lots"])
+
+
+def test_public_api_names():
+    for name in ("load_hf", "load_tiny", "forward", "Engine", "EngineConfig", "SamplingParams", "Model"):
+        assert hasattr(gj, name)
