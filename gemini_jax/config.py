@@ -157,29 +157,72 @@ class SamplingParams:
 
 
 @dataclass(frozen=True, kw_only=True)
-class EngineConfig:
-    """How the engine runs a model: sequence limits, prefill chunking, cache layout and dtype.
+class CacheConfig:
+    """The KV cache.
 
-    cache_kind "contiguous" is the dense reference cache: one [max_seq_len] buffer per sequence.
+    kind "contiguous": the dense reference, one [max_seq_len] buffer per sequence.
+    kind "paged": a pool of `num_pages` pages of `block_size` tokens (page 0 is a reserved null
+    page); None sizes the pool for max_batch full-length sequences. `prefix_caching` lets a new
+    request reuse cached full pages of an identical prefix.
+    """
+
+    kind: str = "paged"
+    block_size: int = 16
+    num_pages: Optional[int] = None
+    dtype: Optional[str] = None  # None: the model's dtype
+    prefix_caching: bool = True
+
+    def __post_init__(self):
+        _require(self.kind in ("contiguous", "paged"),
+                 f"cache.kind={self.kind!r} must be 'contiguous' or 'paged'.")
+        bs = self.block_size
+        _require(isinstance(bs, int) and 8 <= bs <= 256 and bs & (bs - 1) == 0,
+                 f"cache.block_size={bs!r} must be a power of two in [8, 256].")
+        _require(self.num_pages is None or (isinstance(self.num_pages, int) and self.num_pages >= 2),
+                 f"cache.num_pages={self.num_pages!r} must be None or an integer >= 2.")
+        _require(self.dtype is None or self.dtype in DTYPES,
+                 f"cache.dtype={self.dtype!r} must be None or one of {DTYPES}.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """How the engine runs a model: sequence limits, prefill chunking, cache, attention path.
+
+    attention_impl "xla" is the portable path (fast on CPU); "pallas" runs decode attention
+    through the Pallas kernels (compiled on GPU/TPU, interpret mode on CPU: slow, for tests).
     """
 
     max_seq_len: int = 4096
     max_batch: int = 8
     prefill_chunk: int = 512
-    cache_kind: str = "contiguous"
-    cache_dtype: Optional[str] = None  # None: the model's dtype
+    attention_impl: str = "xla"
+    cache: CacheConfig = field(default_factory=CacheConfig)
 
     def __post_init__(self):
+        if isinstance(self.cache, dict):
+            object.__setattr__(self, "cache", CacheConfig(**self.cache))
         _require(isinstance(self.max_seq_len, int) and self.max_seq_len > 0,
                  f"max_seq_len={self.max_seq_len!r} must be a positive integer.")
         _require(isinstance(self.max_batch, int) and self.max_batch > 0,
                  f"max_batch={self.max_batch!r} must be a positive integer.")
         _require(isinstance(self.prefill_chunk, int) and self.prefill_chunk > 0,
                  f"prefill_chunk={self.prefill_chunk!r} must be a positive integer.")
-        _require(self.cache_kind in ("contiguous",),
-                 f"cache_kind={self.cache_kind!r} must be one of ('contiguous',).")
-        _require(self.cache_dtype is None or self.cache_dtype in DTYPES,
-                 f"cache_dtype={self.cache_dtype!r} must be None or one of {DTYPES}.")
+        _require(self.attention_impl in ("xla", "pallas"),
+                 f"attention_impl={self.attention_impl!r} must be 'xla' or 'pallas'.")
+        c = self.cache
+        if c.kind == "paged" and c.num_pages is not None:
+            need = -(-self.max_seq_len // c.block_size) + 1
+            _require(c.num_pages >= need,
+                     f"cache.num_pages={c.num_pages} is too small for one sequence of max_seq_len="
+                     f"{self.max_seq_len}: it needs {need} (pages of {c.block_size} tokens + the null page).")
+
+    @property
+    def pages_per_seq(self) -> int:
+        return -(-self.max_seq_len // self.cache.block_size)
+
+    @property
+    def num_pages(self) -> int:
+        return self.cache.num_pages or self.max_batch * self.pages_per_seq + 1
 
 
 def replace(cfg, **changes):
@@ -194,6 +237,11 @@ def from_dict(cls, data: dict[str, Any]):
     if unknown:
         raise ConfigError(f"{cls.__name__} got unknown field(s) {unknown}; allowed: {sorted(names)}.")
     kwargs = dict(data)
+    if cls is EngineConfig and isinstance(kwargs.get("cache"), dict):
+        try:
+            kwargs["cache"] = CacheConfig(**kwargs["cache"])
+        except TypeError as e:
+            raise ConfigError(f"CacheConfig: {e}") from None
     if cls is ModelConfig:
         for key in ("rope", "local_rope"):
             if isinstance(kwargs.get(key), dict):

@@ -1,15 +1,18 @@
 """The engine: chunked prefill, batched decode, `generate`, counters.
 
-Host code here decides what goes into each jitted call (which rows, which positions); the
-jitted functions are pure over (weights, cache, tokens, positions) and donate the cache.
+Host code here decides what goes into each jitted call (which sequences, pages, positions);
+the jitted functions are pure over (weights, cache, tokens, positions) and donate the cache.
+Two caches sit behind one loop: the contiguous dense reference and the paged pool (whose pages
+and prefix index persist across calls, so a later request can reuse an earlier prefix).
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +20,8 @@ import numpy as np
 from flax import nnx
 
 from gemini_jax.cache import ContiguousKV, contiguous_backend
+from gemini_jax.cache.manager import KVCacheManager
+from gemini_jax.cache.paged import PagedKV, copy_pages, paged_backend
 from gemini_jax.config import EngineConfig, SamplingParams
 from gemini_jax.errors import ContextLengthError
 from gemini_jax.model import Decoder, validate_tokens
@@ -46,12 +51,11 @@ class GenerateOutput:
     seconds: dict = field(default_factory=dict)
 
 
-def _bucket(n: int, cap: int) -> int:
-    """Pad prefill chunks to powers of two (capped) so few shapes are compiled."""
-    b = 16
+def _pow2_at_least(n: int, floor: int = 1) -> int:
+    b = floor
     while b < n:
         b *= 2
-    return min(b, max(cap, n))
+    return b
 
 
 class Engine:
@@ -62,9 +66,19 @@ class Engine:
         self.model_cfg = model.cfg
         self.config = config or EngineConfig()
         self.graphdef, self.params = nnx.split(model)
-        self.cache_dtype = jnp.dtype(self.config.cache_dtype or model.cfg.dtype)
+        c = self.config.cache
+        self.cache_dtype = jnp.dtype(c.dtype or model.cfg.dtype)
         self.stats = new_stats()  # cumulative over the engine's life
-        self._step = jax.jit(functools.partial(_run, self.graphdef), donate_argnums=(1,))
+        self._seq_ids = itertools.count()
+        if c.kind == "paged":
+            self.kv = KVCacheManager(self.config.num_pages, c.block_size, prefix_caching=c.prefix_caching)
+            self.k_pool, self.v_pool = PagedKV.create_pool(model.cfg, self.config.num_pages,
+                                                           c.block_size, self.cache_dtype)
+            backend = paged_backend(model.cfg, self.config.attention_impl)
+        else:
+            self.kv = None
+            backend = contiguous_backend(model.cfg)
+        self._step = jax.jit(functools.partial(_run, self.graphdef, backend), donate_argnums=(1,))
 
     # ---- validation -----------------------------------------------------------------------
     def _check_request(self, prompt, params: SamplingParams, what: str) -> np.ndarray:
@@ -98,70 +112,144 @@ class Engine:
                               (logits[0] if single else logits) if return_logits else None, secs)
 
     def _generate_group(self, prompts, params, first_seq_id, stats, secs, return_logits):
-        cfg, ecfg = self.model_cfg, self.config
+        cfg = self.model_cfg
         B = len(prompts)
-        cache = ContiguousKV.create(cfg, B, ecfg.max_seq_len, self.cache_dtype)
-        t0 = time.perf_counter()
-        last_logits = []
-        for row, toks in enumerate(prompts):
-            cache, lg = self._prefill(cache, row, toks, stats)
-            last_logits.append(lg)
-        logits = jnp.concatenate(last_logits, axis=0)
-        jax.block_until_ready(logits)
-        secs["prefill"] += time.perf_counter() - t0
+        runner = (_PagedRunner if self.kv is not None else _ContiguousRunner)(self, B, stats)
+        try:
+            t0 = time.perf_counter()
+            logits = jnp.concatenate([runner.prefill(row, toks) for row, toks in enumerate(prompts)])
+            jax.block_until_ready(logits)
+            secs["prefill"] += time.perf_counter() - t0
 
-        t0 = time.perf_counter()
-        seq_ids = np.arange(first_seq_id, first_seq_id + B)
-        lengths = np.array([len(p) for p in prompts], np.int32)
-        out = [[] for _ in range(B)]
-        out_logits = [[] for _ in range(B)]
-        done = np.zeros(B, bool)
-        for i in range(params.max_new_tokens):
-            nxt = np.asarray(sample_with(params, logits, seq_ids, lengths))
-            host_logits = np.asarray(logits) if return_logits else None
-            for b in range(B):
-                if not done[b]:
-                    out[b].append(int(nxt[b]))
-                    if return_logits:
-                        out_logits[b].append(host_logits[b])
-                    if params.stop_at_eos and cfg.eos_id is not None and nxt[b] == cfg.eos_id:
-                        done[b] = True
-            if done.all() or i == params.max_new_tokens - 1:
-                break
-            logits, cache = self._step(self.params, cache._replace(rows=jnp.arange(B, dtype=jnp.int32)), jnp.asarray(nxt[:, None]),
-                                       jnp.asarray(lengths[:, None]), jnp.zeros(B, jnp.int32))
-            lengths += 1
-            stats["decode_steps"] += 1
-            stats["kv_bytes_read"] += cache.bytes_per_read(B)
-            stats["compute_units"] += B * cfg.num_layers
-        jax.block_until_ready(logits)
-        secs["decode"] += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            sample_ids = np.arange(first_seq_id, first_seq_id + B)
+            lengths = np.array([len(p) for p in prompts], np.int32)
+            out = [[] for _ in range(B)]
+            out_logits = [[] for _ in range(B)]
+            done = np.zeros(B, bool)
+            for i in range(params.max_new_tokens):
+                nxt = np.asarray(sample_with(params, logits, sample_ids, lengths))
+                host_logits = np.asarray(logits) if return_logits else None
+                for b in range(B):
+                    if not done[b]:
+                        out[b].append(int(nxt[b]))
+                        if return_logits:
+                            out_logits[b].append(host_logits[b])
+                        if params.stop_at_eos and cfg.eos_id is not None and nxt[b] == cfg.eos_id:
+                            done[b] = True
+                if done.all() or i == params.max_new_tokens - 1:
+                    break
+                logits = runner.decode(nxt, lengths)
+                lengths += 1
+                stats["decode_steps"] += 1
+                stats["compute_units"] += B * cfg.num_layers
+            jax.block_until_ready(logits)
+            secs["decode"] += time.perf_counter() - t0
+        finally:
+            runner.close()
         lg = [np.stack(x) if x else np.zeros((0, cfg.vocab_size), np.float32) for x in out_logits]
         return out, lg
 
-    def _prefill(self, cache: ContiguousKV, row: int, toks: np.ndarray, stats):
-        """Write one prompt's KV into cache row `row`, chunk by chunk; return last-token logits."""
+    def _prefill_chunks(self, toks: np.ndarray, start: int):
+        """(padded chunk, positions, real length) pieces of toks[start:], padded to powers of two
+        (so few shapes compile)."""
         chunk = self.config.prefill_chunk
-        logits = None
-        for start in range(0, len(toks), chunk):
-            piece = toks[start:start + chunk]
+        for s in range(start, len(toks), chunk):
+            piece = toks[s:s + chunk]
             n = len(piece)
-            width = _bucket(n, chunk)
+            width = min(_pow2_at_least(n, 16), max(chunk, n))
             padded = np.zeros(width, np.int32)
             padded[:n] = piece
-            pos = np.arange(start, start + width, dtype=np.int32)
-            logits, cache = self._step(self.params, cache._replace(rows=jnp.asarray([row], jnp.int32)),
-                                       jnp.asarray(padded[None]), jnp.asarray(pos[None]),
-                                       jnp.asarray([n - 1], jnp.int32))
-            stats["prefill_tokens_computed"] += n
-            stats["compute_units"] += n * self.model_cfg.num_layers
-        return cache, logits
+            yield padded, np.arange(s, s + width, dtype=np.int32), n
 
 
-def _run(graphdef, params, cache, tokens, positions, select):
+class _ContiguousRunner:
+    """A fresh [B, max_seq_len] dense cache per batch of prompts."""
+
+    def __init__(self, eng: Engine, B: int, stats: dict):
+        self.eng, self.stats, self.B = eng, stats, B
+        self.cache = ContiguousKV.create(eng.model_cfg, B, eng.config.max_seq_len, eng.cache_dtype)
+
+    def prefill(self, row, toks):
+        e = self.eng
+        logits = None
+        for padded, pos, n in e._prefill_chunks(toks, 0):
+            logits, self.cache = e._step(e.params, self.cache._replace(rows=jnp.asarray([row], jnp.int32)),
+                                         jnp.asarray(padded[None]), jnp.asarray(pos[None]),
+                                         jnp.asarray([n - 1], jnp.int32))
+            self.stats["prefill_tokens_computed"] += n
+            self.stats["compute_units"] += n * e.model_cfg.num_layers
+        return logits
+
+    def decode(self, nxt, lengths):
+        e = self.eng
+        logits, self.cache = e._step(e.params, self.cache._replace(rows=jnp.arange(self.B, dtype=jnp.int32)),
+                                     jnp.asarray(nxt[:, None]), jnp.asarray(lengths[:, None]),
+                                     jnp.zeros(self.B, jnp.int32))
+        self.stats["kv_bytes_read"] += self.cache.bytes_per_read(self.B)
+        return logits
+
+    def close(self):
+        self.cache = None
+
+
+class _PagedRunner:
+    """Sequences in the engine's persistent page pool; freed (pages cached) on close."""
+
+    def __init__(self, eng: Engine, B: int, stats: dict):
+        self.eng, self.stats = eng, stats
+        self.ids = [next(eng._seq_ids) for _ in range(B)]
+        self.window = eng.model_cfg.max_window
+
+    def _call(self, ids, tokens, positions, lengths, select):
+        e = self.eng
+        width = _pow2_at_least(max(len(e.kv.seqs[s].pages) for s in ids))
+        cache = PagedKV(e.k_pool, e.v_pool, jnp.asarray(e.kv.block_tables(ids, width)),
+                        jnp.asarray(lengths, jnp.int32))
+        logits, cache = e._step(e.params, cache, jnp.asarray(tokens), jnp.asarray(positions),
+                                jnp.asarray(select, jnp.int32))
+        e.k_pool, e.v_pool = cache.k, cache.v
+        return logits, width
+
+    def prefill(self, row, toks):
+        e, sid = self.eng, self.ids[row]
+        reused = e.kv.add_sequence(sid, toks)
+        self.stats["prefill_tokens_reused"] += reused
+        logits = None
+        for padded, pos, n in e._prefill_chunks(toks, reused):
+            end = int(pos[0]) + n
+            e.kv.reserve(sid, end)
+            logits, _ = self._call([sid], padded[None], pos[None], [end], [n - 1])
+            e.kv.commit(sid, padded[:n])
+            e.kv.drop_outside_window(sid, self.window)
+            self.stats["prefill_tokens_computed"] += n
+            self.stats["compute_units"] += n * e.model_cfg.num_layers
+        return logits
+
+    def decode(self, nxt, lengths):
+        e = self.eng
+        for sid, n in zip(self.ids, lengths):
+            e.kv.reserve(sid, int(n) + 1)
+        logits, width = self._call(self.ids, nxt[:, None], lengths[:, None], lengths + 1,
+                                   np.zeros(len(self.ids)))
+        for sid, t in zip(self.ids, nxt):
+            e.kv.commit(sid, [int(t)])
+            e.kv.drop_outside_window(sid, self.window)
+        cfg = e.model_cfg
+        page_bytes = 2 * cfg.num_kv_heads * e.config.cache.block_size * cfg.head_dim * e.cache_dtype.itemsize
+        self.stats["kv_bytes_read"] += cfg.num_layers * len(self.ids) * width * page_bytes
+        return logits
+
+    def close(self):
+        for sid in self.ids:
+            if sid in self.eng.kv.seqs:
+                self.eng.kv.free(sid)
+
+
+def _run(graphdef, backend, params, cache, tokens, positions, select):
     """One jitted model call: tokens/positions [B, T] -> logits f32[B, V] at `select`, new cache."""
     model = nnx.merge(graphdef, params)
-    logits, cache = model(tokens, positions, contiguous_backend(model.cfg), cache, select=select)
+    logits, cache = model(tokens, positions, backend, cache, select=select)
     return logits[:, 0], cache
 
 

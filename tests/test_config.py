@@ -32,11 +32,16 @@ def test_unknown_field_refused():
         from_dict(EngineConfig, {"max_seq_len": 8, "blocksize": 16})
 
 
-@pytest.mark.parametrize("kw", [dict(max_seq_len=0), dict(cache_kind="ring"), dict(cache_dtype="int4"),
-                                dict(prefill_chunk=-3)])
-def test_engine_config_errors(kw):
-    with pytest.raises(ConfigError, match=list(kw)[0]):
-        EngineConfig(**kw)
+@pytest.mark.parametrize("kw,field", [
+    (dict(max_seq_len=0), "max_seq_len"), (dict(prefill_chunk=-3), "prefill_chunk"),
+    (dict(attention_impl="cuda"), "attention_impl"),
+    (dict(cache=dict(kind="ring")), "cache.kind"), (dict(cache=dict(dtype="int4")), "cache.dtype"),
+    (dict(cache=dict(block_size=12)), "cache.block_size"), (dict(cache=dict(block_size=512)), "cache.block_size"),
+    (dict(max_seq_len=1024, cache=dict(block_size=16, num_pages=20)), "cache.num_pages"),
+])
+def test_engine_config_errors(kw, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        from_dict(EngineConfig, kw)
 
 
 @pytest.mark.parametrize("model", ["tiny", "llama3_1_8b", "mistral_7b", "qwen2_5_7b", "qwen3_8b",

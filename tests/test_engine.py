@@ -8,13 +8,20 @@ from gemini_jax.errors import ContextLengthError, SamplingError, TokenError
 from helpers import FAMILIES, random_model, random_prompts, tiny_config
 
 
+CACHES = {"contiguous": dict(kind="contiguous"), "paged8": dict(block_size=8),
+          "paged16": dict(block_size=16), "paged64": dict(block_size=64)}
+
+
+@pytest.mark.parametrize("cache", list(CACHES))
 @pytest.mark.parametrize("family", FAMILIES)
-def test_engine_matches_forward(family):
+def test_engine_matches_forward(family, cache):
+    """Invariant 2: engine (contiguous or paged, sparsity off) == full-sequence forward."""
     seed = int(np.random.default_rng().integers(1 << 30))
     rng = np.random.default_rng(seed)
     cfg = tiny_config(family)
     model = random_model(cfg, seed % 1000)
-    eng = gj.Engine(model, gj.EngineConfig(max_seq_len=96, prefill_chunk=16, max_batch=4))
+    eng = gj.Engine(model, gj.config.from_dict(gj.EngineConfig, dict(
+        max_seq_len=96, prefill_chunk=16, max_batch=4, cache=CACHES[cache])))
     prompts = random_prompts(rng, cfg.vocab_size, (5, 23, 40))  # longer than the windows
     out = eng.generate(prompts, gj.SamplingParams(max_new_tokens=12, stop_at_eos=False),
                        return_logits=True)

@@ -17,18 +17,17 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from safetensors.numpy import load_file, save_file
 
 from gemini_jax.config import ModelConfig, RopeConfig, replace
 from gemini_jax.errors import CheckpointError, ConfigError
 from gemini_jax.model import Decoder
 from gemini_jax.weights import (decoder_from_arrays, load_hf, load_safetensors, model_arrays,
-                                model_config_from_hf, save_safetensors)
+                                model_config_from_hf, param_specs, save_safetensors)
 from gemini_jax.weights.hf_config import FAMILY_DEFAULTS
-from flax import nnx
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-from safetensors.numpy import load_file, save_file  # noqa: E402
 
 TOL = 1e-4
 SIZES = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
@@ -44,7 +43,8 @@ CASES = {
               dict(attention_bias=True, rope_parameters=LLAMA3),
               dict(max_shard_size="40KB"),  # sharded: several files + index
               [dict(rope=RopeConfig(theta=500000.0))]),
-    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=8), {}, [NO_WINDOWS]),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=8), {},
+                [NO_WINDOWS, dict(layer_windows=(7,) * 3), dict(layer_windows=(9,) * 3)]),  # off-by-one
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM",
               dict(use_sliding_window=True, sliding_window=8, max_window_layers=1, tie_word_embeddings=True),
               {}, [NO_WINDOWS]),
@@ -61,7 +61,7 @@ CASES = {
                     query_pre_attn_scalar=24,
                     rope_parameters={"full_attention": dict(rope_type="linear", factor=2.0, rope_theta=1e6),
                                      "sliding_attention": dict(rope_type="default", rope_theta=100.0)}),
-               {}, [NO_WINDOWS, dict(local_rope=None)]),
+               {}, [NO_WINDOWS, dict(local_rope=None), dict(rope=RopeConfig(theta=1e6))]),
 }
 
 
@@ -396,10 +396,8 @@ NATIVE = ModelConfig(family="tiny", vocab_size=64, hidden_size=32, intermediate_
 
 
 def _random_native(cfg: ModelConfig) -> Decoder:
-    model = Decoder(cfg, rngs=nnx.Rngs(0))
-    rng = np.random.RandomState(0)
-    arrays = {k: rng.normal(0, 0.1, v.shape).astype(np.float32) for k, v in model_arrays(model).items()}
-    return decoder_from_arrays(cfg, arrays)
+    rng = np.random.RandomState(0)  # every weight random, norms and biases included
+    return decoder_from_arrays(cfg, {k: rng.normal(0, 0.1, v.shape) for k, v in param_specs(cfg).items()})
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -1,0 +1,170 @@
+"""`KVCacheManager`: per-sequence block tables over a shared `BlockPool`, prefix reuse, fork.
+
+NOTE: block tables are append-only. Logical page i of a sequence holds its positions
+[i * block_size, (i + 1) * block_size). A full page is never written again, which is what makes
+sharing it (prefix reuse, fork) safe; the one partial page is copied on fork.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from gemini_jax.cache.block_pool import NULL_PAGE, BlockPool
+from gemini_jax.errors import CacheExhausted
+
+
+def block_hash(prev: int, tokens) -> int:
+    """Chained hash of one full block: depends on every token before it, not just its own."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(int(prev).to_bytes(8, "little", signed=False))
+    h.update(np.asarray(tokens, np.int64).tobytes())
+    return int.from_bytes(h.digest(), "little")
+
+
+@dataclass
+class SequenceKV:
+    """Host state of one sequence's KV: which page holds which positions."""
+
+    pages: list[int] = field(default_factory=list)  # NULL_PAGE where a page was dropped (window)
+    tokens: list[int] = field(default_factory=list)  # ids whose KV is written, in order
+    hashes: list[int] = field(default_factory=list)  # chained hashes of the full pages
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass(frozen=True)
+class PageCopy:
+    """A device-side copy the caller must perform (copy-on-write of a partial page)."""
+
+    src: int
+    dst: int
+
+
+class KVCacheManager:
+    def __init__(self, num_pages: int, block_size: int, *, prefix_caching: bool = True):
+        self.pool = BlockPool(num_pages)
+        self.block_size = block_size
+        self.prefix_caching = prefix_caching
+        self.seqs: dict[int, SequenceKV] = {}
+
+    # ---- sequences --------------------------------------------------------------------------
+    def add_sequence(self, seq_id: int, prompt) -> int:
+        """Register a new sequence; share the longest cached run of its prompt's full pages.
+
+        Returns how many prompt tokens are already in the cache (a multiple of block_size). At
+        least the last prompt token is always left to compute: its logits are needed.
+        """
+        if seq_id in self.seqs:
+            raise ValueError(f"sequence {seq_id} already exists.")
+        seq = SequenceKV()
+        self.seqs[seq_id] = seq
+        if not self.prefix_caching:
+            return 0
+        S = self.block_size
+        prev = 0
+        for i in range((len(prompt) - 1) // S):
+            h = block_hash(prev, prompt[i * S:(i + 1) * S])
+            page = self.pool.cached(h)
+            if page is None:
+                break
+            self.pool.acquire(page)
+            seq.pages.append(page)
+            seq.hashes.append(h)
+            seq.tokens.extend(int(t) for t in prompt[i * S:(i + 1) * S])
+            prev = h
+        return seq.num_tokens
+
+    def reserve(self, seq_id: int, total_tokens: int) -> None:
+        """Make sure the sequence has pages for `total_tokens` positions (allocating new ones).
+
+        On CacheExhausted the pages allocated by this call are given back first, so a refused
+        request leaves every sequence as it was.
+        """
+        seq = self.seqs[seq_id]
+        need = -(-total_tokens // self.block_size) - len(seq.pages)
+        got = []
+        try:
+            for _ in range(need):
+                got.append(self.pool.allocate())
+        except CacheExhausted:
+            for p in got:
+                self.pool.release(p)
+            raise
+        seq.pages.extend(got)
+
+    def commit(self, seq_id: int, tokens) -> None:
+        """Record that KV for `tokens` was written after the sequence's current end."""
+        seq = self.seqs[seq_id]
+        S = self.block_size
+        if seq.num_tokens + len(tokens) > len(seq.pages) * S:
+            raise ValueError(f"sequence {seq_id}: commit past reserved pages (reserve first).")
+        seq.tokens.extend(int(t) for t in tokens)
+        while len(seq.hashes) < seq.num_tokens // S:
+            i = len(seq.hashes)
+            prev = seq.hashes[-1] if seq.hashes else 0
+            h = block_hash(prev, seq.tokens[i * S:(i + 1) * S])
+            seq.hashes.append(h)
+            if self.prefix_caching and seq.pages[i] != NULL_PAGE:
+                self.pool.register(seq.pages[i], h)
+
+    def fork(self, seq_id: int, new_id: int) -> list[PageCopy]:
+        """A new sequence with the same KV: full pages shared, the partial last page copied."""
+        src = self.seqs[seq_id]
+        if new_id in self.seqs:
+            raise ValueError(f"sequence {new_id} already exists.")
+        S = self.block_size
+        n_full = src.num_tokens // S
+        # Allocate the copy first: if the pool is exhausted nothing has changed yet.
+        dst = self.pool.allocate() if src.num_tokens % S else None
+        new = SequenceKV(tokens=list(src.tokens), hashes=list(src.hashes))
+        for p in src.pages[:n_full]:
+            if p != NULL_PAGE:
+                self.pool.acquire(p)
+            new.pages.append(p)
+        copies = []
+        if dst is not None:
+            copies.append(PageCopy(src.pages[n_full], dst))
+            new.pages.append(dst)
+        self.seqs[new_id] = new
+        return copies
+
+    def free(self, seq_id: int) -> None:
+        seq = self.seqs.pop(seq_id)
+        for p in seq.pages:
+            if p != NULL_PAGE:
+                self.pool.release(p)
+
+    def drop_outside_window(self, seq_id: int, window: int) -> int:
+        """Release pages no future query can see under a sliding window (every layer's)."""
+        if window <= 0:
+            return 0
+        seq = self.seqs[seq_id]
+        next_pos = seq.num_tokens  # the earliest query still to come
+        # Page i is dead when its last position i*S + S - 1 <= next_pos - window.
+        dead = max(0, (next_pos - window + 1) // self.block_size)
+        freed = 0
+        for i in range(min(dead, len(seq.pages))):
+            if seq.pages[i] != NULL_PAGE:
+                self.pool.release(seq.pages[i])
+                seq.pages[i] = NULL_PAGE
+                freed += 1
+        return freed
+
+    # ---- device boundary --------------------------------------------------------------------
+    def block_tables(self, seq_ids, width: int) -> np.ndarray:
+        """int32[len(seq_ids), width], padded with the null page."""
+        out = np.full((len(seq_ids), width), NULL_PAGE, np.int32)
+        for r, s in enumerate(seq_ids):
+            pages = self.seqs[s].pages
+            if len(pages) > width:
+                raise ValueError(f"sequence {s} has {len(pages)} pages > block table width {width}.")
+            out[r, :len(pages)] = pages
+        return out
+
+    def live_pages(self) -> set[int]:
+        return {p for s in self.seqs.values() for p in s.pages if p != NULL_PAGE}
