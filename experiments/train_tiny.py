@@ -76,6 +76,26 @@ def needle_accuracy(graphdef, params, text, seq_len, trials, rng):
     return float(np.mean(np.all(pred == np.stack(answers), axis=1)))
 
 
+def make_optimizer(cfg, stages):
+    """AdamW with warmup + cosine decay over the whole curriculum, global-norm clipping."""
+    warmup = min(int(cfg.warmup), max(1, stages[-1]["until"] // 10))
+    schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup, max(stages[-1]["until"], warmup + 1),
+                                                  cfg.min_lr)
+    opt = optax.chain(optax.clip_by_global_norm(cfg.grad_clip),
+                      optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay))
+    return opt, schedule
+
+
+def restore_latest(cfg, ckpt_dir, params, opt_state):
+    """(manager, step, params, opt_state) from the newest Orbax checkpoint (step 0 if none)."""
+    mngr = ocp.CheckpointManager(ckpt_dir, options=ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, create=True))
+    if mngr.latest_step() is None:
+        return mngr, 0, params, opt_state
+    step = int(mngr.latest_step())
+    restored = mngr.restore(step, args=ocp.args.StandardRestore({"params": params, "opt_state": opt_state}))
+    return mngr, step, restored["params"], restored["opt_state"]
+
+
 @hydra.main(version_base=None, config_path="../conf", config_name="train_tiny")
 def main(cfg: DictConfig) -> None:
     os.environ.setdefault("WANDB_MODE", cfg.wandb.mode)
@@ -88,20 +108,10 @@ def main(cfg: DictConfig) -> None:
 
     model = Decoder(mcfg, rngs=nnx.Rngs(cfg.seed))
     graphdef, params = nnx.split(model, nnx.Param)
-    warmup = min(int(cfg.warmup), max(1, stages[-1]["until"] // 10))
-    schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warmup, max(stages[-1]["until"], warmup + 1), cfg.min_lr)
-    opt = optax.chain(optax.clip_by_global_norm(cfg.grad_clip),
-                      optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay))
+    opt, schedule = make_optimizer(cfg, stages)
     opt_state = opt.init(params)
-
-    mngr = ocp.CheckpointManager(ckpt_dir, options=ocp.CheckpointManagerOptions(
-        max_to_keep=cfg.keep, create=True))
-    step = 0
-    if mngr.latest_step() is not None:
-        step = int(mngr.latest_step())
-        restored = mngr.restore(step, args=ocp.args.StandardRestore(
-            {"params": params, "opt_state": opt_state}))
-        params, opt_state = restored["params"], restored["opt_state"]
+    mngr, step, params, opt_state = restore_latest(cfg, ckpt_dir, params, opt_state)
+    if step:
         print(f"resumed from {ckpt_dir} at step {step}")
 
     def loss_fn(params, toks, weights, positions):

@@ -111,7 +111,32 @@ class Engine:
         return GenerateOutput(tokens[0] if single else tokens, stats,
                               (logits[0] if single else logits) if return_logits else None, secs)
 
-    def _generate_group(self, prompts, params, first_seq_id, stats, secs, return_logits):
+    def score(self, prompts, continuations) -> GenerateOutput:
+        """Teacher-forced log-probabilities of `continuations` after `prompts`, computed through
+        the same prefill + decode path as generation (so cache, sparsity and tiers all apply).
+
+        Returns GenerateOutput whose `tokens` holds, per prompt, f32[len(continuation)] log-probs.
+        """
+        single = _is_single(prompts)
+        plist, clist = ([prompts], [continuations]) if single else (list(prompts), list(continuations))
+        if len(plist) != len(clist):
+            raise ValueError(f"{len(plist)} prompts but {len(clist)} continuations.")
+        stats = new_stats()
+        secs = {"prefill": 0.0, "decode": 0.0}
+        out = []
+        for i, (p, c) in enumerate(zip(plist, clist)):
+            params = SamplingParams(max_new_tokens=len(c), stop_at_eos=False)
+            toks = self._check_request(p, params, f"prompts[{i}]")
+            forced = validate_tokens(c, self.model_cfg.vocab_size, f"continuations[{i}]")
+            _, lg = self._generate_group([toks], params, i, stats, secs, True, forced=[forced])
+            logp = jax.nn.log_softmax(jnp.asarray(lg[0]), axis=-1)
+            out.append(np.asarray(jnp.take_along_axis(logp, jnp.asarray(forced)[:, None], -1)[:, 0]))
+        for k, v in stats.items():
+            self.stats[k] += v
+        return GenerateOutput(out[0] if single else out, stats, None, secs)
+
+    def _generate_group(self, prompts, params, first_seq_id, stats, secs, return_logits,
+                        forced=None):
         cfg = self.model_cfg
         B = len(prompts)
         runner = (_PagedRunner if self.kv is not None else _ContiguousRunner)(self, B, stats)
@@ -128,7 +153,10 @@ class Engine:
             out_logits = [[] for _ in range(B)]
             done = np.zeros(B, bool)
             for i in range(params.max_new_tokens):
-                nxt = np.asarray(sample_with(params, logits, sample_ids, lengths))
+                if forced is not None:
+                    nxt = np.array([f[i] for f in forced], np.int32)
+                else:
+                    nxt = np.asarray(sample_with(params, logits, sample_ids, lengths))
                 host_logits = np.asarray(logits) if return_logits else None
                 for b in range(B):
                     if not done[b]:

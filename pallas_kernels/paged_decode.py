@@ -18,15 +18,17 @@ How the kernel walks the pool:
 - online softmax in float32 (running max, running sum, accumulator in scratch), written out at
   the last page block.
 
-Backends: interpret mode (the default on CPU) runs everywhere. Compiled, scalar prefetch exists
-only on TPU; there the whole-page blocks need `page_size` and `head_dim` to meet Mosaic's tiling.
-GPU (Triton / Mosaic GPU) has no scalar prefetch and is refused with a clear error; use
-`interpret=True` or `paged_decode_attention_reference` there.
+Backends: interpret mode (the default on CPU) runs everywhere; tests run it, and TPU interpret
+mode (`interpret=pltpu.InterpretParams(...)`) checks that no out-of-bounds page is read.
+Compiled, scalar prefetch exists only on TPU (that path has not been run on a TPU yet). GPU
+(Triton / Mosaic GPU) has no scalar prefetch and is refused with a clear error; there use
+`interpret=True` or `paged_decode_attention_reference` until a GPU variant exists.
 """
 
 from __future__ import annotations
 
 import functools
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -168,11 +170,12 @@ def _check_inputs(q, k_pages, v_pages, block_tables, lengths, *, sm_scale, soft_
     if pages_per_seq * page_size >= 2**31:
         raise ValueError(
             f"{pages_per_seq=} * {page_size=} must fit in int32 (token positions are int32).")
-    if not isinstance(sm_scale, (int, float)) or not sm_scale > 0:
+    if not isinstance(sm_scale, numbers.Real) or not sm_scale > 0:
         raise ValueError(f"{sm_scale=} must be a positive Python number (it is static).")
-    if soft_cap is not None and not (isinstance(soft_cap, (int, float)) and soft_cap > 0):
+    if soft_cap is not None and not (isinstance(soft_cap, numbers.Real) and soft_cap > 0):
         raise ValueError(f"{soft_cap=} must be None or a positive Python number.")
-    if sliding_window is not None and not (isinstance(sliding_window, int) and sliding_window >= 1):
+    if sliding_window is not None and not (
+            isinstance(sliding_window, numbers.Integral) and sliding_window >= 1):
         raise ValueError(f"{sliding_window=} must be None or an int >= 1.")
 
 
@@ -226,7 +229,7 @@ def paged_decode_attention(
     num_kv_heads, _, page_size, _ = k_pages.shape
     pages_per_seq = block_tables.shape[1]
     n = pages_per_compute_block
-    if not (isinstance(n, int) and 1 <= n <= pages_per_seq):
+    if not (isinstance(n, numbers.Integral) and 1 <= n <= pages_per_seq):
         raise ValueError(f"{pages_per_compute_block=} must be an int in [1, {pages_per_seq=}].")
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
@@ -297,7 +300,8 @@ def paged_decode_attention_reference(
 
     k, v = gather(k_pages), gather(v_pages)
     qg = q.astype(jnp.float32).reshape(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
-    scores = jnp.einsum("bhgd,bhtd->bhgt", qg, k) * sm_scale
+    exact = jax.lax.Precision.HIGHEST  # TPU would otherwise run f32 matmuls in one bf16 pass
+    scores = jnp.einsum("bhgd,bhtd->bhgt", qg, k, precision=exact) * sm_scale
     if soft_cap is not None:
         scores = jnp.tanh(scores / soft_cap) * soft_cap
     pos = jnp.arange(num_keys)[None, :]
@@ -311,5 +315,5 @@ def paged_decode_attention_reference(
     p = jnp.where(visible, jnp.exp(scores - m), 0.0)
     denom = p.sum(axis=-1, keepdims=True)
     v = jnp.where(visible.transpose(0, 1, 3, 2), v, 0.0)  # unused slots may hold NaN
-    out = jnp.einsum("bhgt,bhtd->bhgd", p, v) / jnp.where(denom == 0, 1.0, denom)
+    out = jnp.einsum("bhgt,bhtd->bhgd", p, v, precision=exact) / jnp.where(denom == 0, 1.0, denom)
     return out.reshape(batch, num_q_heads, head_dim).astype(q.dtype)

@@ -169,3 +169,21 @@ def test_sliding_window_frees_pages_only_when_no_layer_needs_them():
     # One global layer (Gemma-2-like): nothing may be dropped.
     cfg2 = tiny_config("gemma2")
     assert cfg2.max_window == 0
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_engine_pallas_decode_matches_xla(family):
+    """attention_impl='pallas' (interpret mode on CPU) gives the XLA path's logits and tokens."""
+    rng = np.random.default_rng()
+    cfg = tiny_config(family)
+    model = random_model(cfg, int(rng.integers(100)))
+    prompts = random_prompts(rng, cfg.vocab_size, (5, 19, 11))
+    params = gj.SamplingParams(max_new_tokens=5, stop_at_eos=False)
+    outs = {}
+    for impl in ("xla", "pallas"):
+        eng = gj.Engine(model, gj.config.from_dict(gj.EngineConfig, dict(
+            max_seq_len=48, prefill_chunk=16, attention_impl=impl, cache=dict(block_size=8))))
+        outs[impl] = eng.generate(prompts, params, return_logits=True)
+    assert outs["xla"].tokens == outs["pallas"].tokens
+    for a, b in zip(outs["xla"].logits, outs["pallas"].logits):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)

@@ -21,7 +21,7 @@ from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
 from pallas_kernels.paged_decode import paged_decode_attention, paged_decode_attention_reference
 
 F32_TOL = dict(atol=1e-5, rtol=1e-5)
-BF16_TOL = dict(atol=3e-2, rtol=3e-2)
+BF16_TOL = dict(atol=1e-2, rtol=1e-2)  # observed ~4e-3: bf16 rounding of the output
 
 
 @pytest.fixture
@@ -117,9 +117,10 @@ def test_kernel_matches_reference(seed, page_size, pages_per_seq, num_kv_heads, 
 
     # The knobs must matter where they should, or the comparison above proves nothing about them.
     plain = np.asarray(paged_decode_attention_reference(*case, sm_scale=knobs["sm_scale"]))
-    if soft_cap is not None or (window is not None and window < max(lengths)):
+    # (A window must hide several keys of some sequence for its effect to be reliably visible.)
+    if soft_cap is not None or (window is not None and window + page_size // 2 < max(lengths)):
         assert not np.allclose(ref, plain, atol=1e-3), f"knobs had no effect; {msg}"
-    else:
+    elif window is None or window >= max(lengths):
         np.testing.assert_allclose(ref, plain, **F32_TOL, err_msg=msg)
 
 
@@ -193,7 +194,7 @@ def test_out_of_bounds_detection_fires_on_a_used_page(seed):
     case = case._replace(block_tables=jnp.asarray(tables))
     strict = pltpu.InterpretParams(out_of_bounds_reads="raise")
     try:
-        with pytest.raises(Exception, match="Out-of-bounds read"):
+        with pytest.raises(Exception, match="Out-of-bounds"):
             jax.block_until_ready(paged_decode_attention(*case, sm_scale=0.3, interpret=strict))
     finally:
         pltpu.reset_tpu_interpret_mode_state()
@@ -239,13 +240,13 @@ def _valid_inputs():
 
 
 BAD_INPUTS = [
-    ("q rank", dict(q=jnp.ones((2, 4), jnp.float32)), {}, r"q\.shape="),
-    ("GQA ratio", dict(q=jnp.ones((2, 3, 8), jnp.float32)), {}, r"num_q_heads=3 must be a multiple"),
-    ("k/v mismatch", dict(v_pages=jnp.ones((2, 5, 4, 8), jnp.float32)), {}, r"v_pages\.shape="),
-    ("head_dim", dict(q=jnp.ones((2, 4, 16), jnp.float32)), {}, r"head_dim must equal"),
-    ("kv dtype", dict(k_pages=jnp.ones((2, 5, 8, 8), jnp.bfloat16)), {}, r"k_pages\.dtype="),
-    ("lengths dtype", dict(lengths=jnp.asarray([5.0, 16.0])), {}, r"lengths\.dtype="),
-    ("table batch", dict(block_tables=jnp.zeros((3, 2), jnp.int32)), {}, r"block_tables\.shape="),
+    ("q rank", dict(q=np.ones((2, 4), np.float32)), {}, r"q\.shape="),
+    ("GQA ratio", dict(q=np.ones((2, 3, 8), np.float32)), {}, r"num_q_heads=3 must"),
+    ("k/v mismatch", dict(v_pages=np.ones((2, 5, 4, 8), np.float32)), {}, r"v_pages\.shape="),
+    ("head_dim", dict(q=np.ones((2, 4, 16), np.float32)), {}, r"head_dim must equal"),
+    ("kv dtype", dict(k_pages=np.ones((2, 5, 8, 8), jnp.bfloat16)), {}, r"k_pages\.dtype="),
+    ("lengths dtype", dict(lengths=np.asarray([5.0, 16.0], np.float32)), {}, r"lengths\.dtype="),
+    ("table batch", dict(block_tables=np.zeros((3, 2), np.int32)), {}, r"block_tables\.shape="),
     ("sm_scale", {}, dict(sm_scale=0.0), r"sm_scale=0\.0"),
     ("soft_cap", {}, dict(soft_cap=-1.0), r"soft_cap=-1\.0"),
     ("window", {}, dict(sliding_window=0), r"sliding_window=0"),

@@ -1,0 +1,95 @@
+"""Decode-step harness: one engine holding one sequence of `context` tokens of random KV, stepped
+through the engine's own decode path.
+
+Prefilling 64K tokens on a CPU takes far longer than the decode steps we want to time, and the
+values in the cache do not change the work of dense attention, so the harness fills the cache with
+random K/V instead of running prefill:
+
+* contiguous: `_ContiguousRunner` (the runner `Engine.generate` uses) with positions
+  [0, context) of its [max_seq_len] buffer filled;
+* paged: `_PagedRunner`, with the sequence registered in the engine's `KVCacheManager` (pages
+  reserved and tokens committed, as prefill would leave them) and those pages of the pool filled.
+
+`step()` then calls `runner.decode` — the exact per-token work of `generate`'s loop: host
+bookkeeping (reserve/commit/block table for paged), the jitted step `Engine._step`, and a greedy
+argmax on the host (which synchronises, as sampling does). These are private engine names: if the
+engine's internals move, this file is the one place to follow them.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import gemini_jax as gj
+from gemini_jax.config import CacheConfig
+from gemini_jax.engine import _ContiguousRunner, _PagedRunner, new_stats
+
+
+class DecodeHarness:
+    def __init__(self, model, *, kind: str, context: int, new_tokens: int, block_size: int = 16,
+                 seed: int = 0, max_batch: int = 1):
+        cfg = model.cfg
+        # NOTE: max_seq_len = context + new_tokens for every variant, and a pool sized for one
+        # sequence (max_batch=1), so no variant pays for a bigger buffer than it needs.
+        self.eng = gj.Engine(model, gj.EngineConfig(
+            max_seq_len=context + new_tokens, max_batch=max_batch,
+            cache=CacheConfig(kind=kind, block_size=block_size, prefix_caching=False)))
+        self.kind, self.context, self.capacity = kind, context, context + new_tokens
+        self.stats = new_stats()
+        key = jax.random.key(seed)
+        kk, kv = jax.random.split(key)
+        dt = self.eng.cache_dtype
+        if kind == "paged":
+            self.runner = _PagedRunner(self.eng, 1, self.stats)
+            sid = self.runner.ids[0]
+            toks = np.random.default_rng(seed).integers(0, cfg.vocab_size, context).astype(np.int32)
+            kvm = self.eng.kv
+            kvm.add_sequence(sid, toks)
+            kvm.reserve(sid, context)
+            kvm.commit(sid, toks)
+            pages = jnp.asarray(kvm.seqs[sid].pages, jnp.int32)
+            shape = (cfg.num_layers, cfg.num_kv_heads, len(pages), block_size, cfg.head_dim)
+            self.eng.k_pool = self.eng.k_pool.at[:, :, pages].set(jax.random.normal(kk, shape, dt))
+            self.eng.v_pool = self.eng.v_pool.at[:, :, pages].set(jax.random.normal(kv, shape, dt))
+            jax.block_until_ready((self.eng.k_pool, self.eng.v_pool))
+        else:
+            self.runner = _ContiguousRunner(self.eng, 1, self.stats)
+            c = self.runner.cache
+            shape = (cfg.num_layers, 1, context, cfg.num_kv_heads, cfg.head_dim)
+            self.runner.cache = c._replace(k=c.k.at[:, :, :context].set(jax.random.normal(kk, shape, dt)),
+                                           v=c.v.at[:, :, :context].set(jax.random.normal(kv, shape, dt)))
+            jax.block_until_ready(self.runner.cache)
+        self.lengths = np.array([context], np.int32)
+        self.next_tok = np.array([1], np.int32)
+        self.steps = 0
+
+    def step(self):
+        if self.lengths[0] >= self.capacity:
+            raise RuntimeError(f"harness ran past its capacity of {self.capacity} tokens; "
+                               f"raise new_tokens.")
+        logits = self.runner.decode(self.next_tok, self.lengths)
+        self.next_tok = np.asarray(np.argmax(np.asarray(logits), axis=-1), np.int32)  # syncs
+        self.lengths += 1
+        self.steps += 1
+
+    def timed(self, n: int) -> float:
+        """Seconds per step, averaged over n consecutive steps."""
+        t0 = time.perf_counter()
+        for _ in range(n):
+            self.step()
+        return (time.perf_counter() - t0) / n
+
+    @property
+    def kv_bytes_per_step(self) -> float:
+        """The engine's own `kv_bytes_read` counter over the steps taken."""
+        return self.stats["kv_bytes_read"] / max(self.steps, 1)
+
+    def close(self):
+        """Free the sequence and drop the cache arrays (idempotent)."""
+        if self.runner is not None:
+            self.runner.close()
+        self.runner = self.eng = None

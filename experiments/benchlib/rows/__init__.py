@@ -1,0 +1,3 @@
+"""Benchmark rows, one module each; importing this package registers them (report order = import order)."""
+
+from benchlib.rows import dense_vs_hf, paged_vs_contiguous, prefix_ttft, kv_bytes  # noqa: F401

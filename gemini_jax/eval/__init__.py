@@ -1,0 +1,7 @@
+"""Evaluation on real text: needle grids and bits per byte, with any engine configuration."""
+
+from gemini_jax.eval.needle import NeedleResult, is_correct, needle
+from gemini_jax.eval.perplexity import perplexity, unigram_bits_per_byte
+from gemini_jax.eval.report import write_needle
+
+__all__ = ["NeedleResult", "is_correct", "needle", "perplexity", "unigram_bits_per_byte", "write_needle"]

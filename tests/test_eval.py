@@ -1,0 +1,70 @@
+"""The evaluation harness scores a scripted oracle 100%, a random engine ~0%, and exact match only."""
+
+import re
+from types import SimpleNamespace
+
+import numpy as np
+
+import gemini_jax as gj
+from gemini_jax.data import tasks
+from gemini_jax.eval import is_correct, needle, perplexity, unigram_bits_per_byte, write_needle
+from helpers import random_model, tiny_config
+
+
+class OracleEngine:
+    """Reads the asked-for key out of the prompt, as a perfect retriever would."""
+
+    def generate(self, prompts, params):
+        outs = []
+        for p in prompts:
+            text = bytes(t for t in p if t < 256).decode("utf-8", "replace")
+            name = re.search(r"What is the pass key( of \w+)?\?", text).group(1) or ""
+            key = re.search(rf"The pass key{re.escape(name)} is (\d+)\. Remember", text).group(1)
+            outs.append(list(key.encode()) + [ord(".")])
+        return SimpleNamespace(tokens=outs)
+
+
+class RandomEngine:
+    def __init__(self):
+        self.rng = np.random.default_rng()
+
+    def generate(self, prompts, params):
+        return SimpleNamespace(tokens=[list(self.rng.integers(48, 58, params.max_new_tokens)) for _ in prompts])
+
+
+def test_oracle_scores_100_and_random_scores_near_0(tmp_path):
+    lengths, depths = [300, 1200], [0.0, 0.5, 1.0]
+    res = needle(OracleEngine(), lengths, depths, trials=4, seed=int(np.random.default_rng().integers(1 << 20)),
+                 progress=False)
+    assert res.overall == 1.0
+    kv = needle(OracleEngine(), [1500], [0.3], trials=4, distractors=3, progress=False)
+    assert kv.overall == 1.0
+    rnd = needle(RandomEngine(), lengths, depths, trials=20, progress=False)
+    assert rnd.overall <= 0.05  # chance of guessing 5 digits (and no 6th) is ~1e-5
+    paths = write_needle(res, str(tmp_path), "oracle", "oracle")
+    assert all((tmp_path / f"oracle.{e}").exists() for e in ("json", "md", "png"))
+
+
+def test_exact_match_only():
+    assert is_correct("12345.", "12345")
+    assert is_correct("12345", "12345")
+    assert not is_correct("123456", "12345")
+    assert not is_correct("1234", "12345")
+    assert not is_correct(" 12345", "12345")
+    assert not is_correct("12346", "12345")
+
+
+def test_score_matches_forward_and_perplexity_runs():
+    rng = np.random.default_rng()
+    cfg = tiny_config("tiny", vocab_size=259)
+    model = random_model(cfg, int(rng.integers(100)))
+    eng = gj.Engine(model, gj.EngineConfig(max_seq_len=256, prefill_chunk=32))
+    toks = [int(x) for x in rng.integers(0, 256, 60)]
+    logp = eng.score(toks[:40], toks[40:]).tokens
+    full = np.asarray(gj.forward(model, toks))
+    ref = full - np.log(np.exp(full - full.max(-1, keepdims=True)).sum(-1, keepdims=True)) - full.max(-1, keepdims=True)
+    want = ref[np.arange(39, 59), toks[40:60]]
+    np.testing.assert_allclose(logp, want, atol=1e-4)
+    out = perplexity(eng, 128, windows=2, scored=32, progress=False)
+    assert 7.0 < out["bits_per_byte"] < 12  # a random model is near log2(259) bits
+    assert 4.0 < unigram_bits_per_byte() < 6.0
