@@ -184,6 +184,47 @@ class CacheConfig:
                  f"cache.dtype={self.dtype!r} must be None or one of {DTYPES}.")
 
 
+DIGEST_KINDS = ("minmax", "mean")
+GROUP_REDUCE = ("max", "mean")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SparseConfig:
+    """Chunk-sparse attention over KV pages (needs the paged cache).
+
+    Each page keeps a digest per kv head: "minmax" (Quest: per-dimension key bounds, the score is
+    an upper bound of q.k) or "mean" (the page's mean key). A decode step scores every page from
+    its digest, keeps the first `sink_pages` and the last `local_pages` (the current page
+    included) and fills `budget` tokens with the top-scoring rest. Query heads of a GQA group
+    share one selection; `group_reduce` combines their scores. The first `dense_layers` layers
+    attend to every page. `sparse_prefill` applies the same selection to prefill chunks (the
+    chunk's own pages are always kept). When the budget covers the whole context every page is
+    selected, so short contexts are never approximated.
+    """
+
+    enabled: bool = False
+    digest: str = "minmax"
+    budget: int = 2048  # tokens of KV read per (sequence, kv head, layer), sink and local included
+    sink_pages: int = 1
+    local_pages: int = 2
+    group_reduce: str = "max"
+    dense_layers: int = 0
+    digest_dtype: Optional[str] = None  # None: the cache dtype
+    sparse_prefill: bool = False
+
+    def __post_init__(self):
+        _require(self.digest in DIGEST_KINDS, f"sparse.digest={self.digest!r} must be one of {DIGEST_KINDS}.")
+        _require(self.group_reduce in GROUP_REDUCE,
+                 f"sparse.group_reduce={self.group_reduce!r} must be one of {GROUP_REDUCE}.")
+        for name in ("sink_pages", "local_pages", "dense_layers"):
+            v = getattr(self, name)
+            _require(isinstance(v, int) and v >= 0, f"sparse.{name}={v!r} must be an integer >= 0.")
+        _require(self.local_pages >= 1, f"sparse.local_pages={self.local_pages} must be >= 1 (the current page).")
+        _require(isinstance(self.budget, int) and self.budget > 0, f"sparse.budget={self.budget!r} must be > 0.")
+        _require(self.digest_dtype is None or self.digest_dtype in DTYPES,
+                 f"sparse.digest_dtype={self.digest_dtype!r} must be None or one of {DTYPES}.")
+
+
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     """How the engine runs a model: sequence limits, prefill chunking, cache, attention path.
@@ -197,10 +238,13 @@ class EngineConfig:
     prefill_chunk: int = 512
     attention_impl: str = "xla"
     cache: CacheConfig = field(default_factory=CacheConfig)
+    sparse: SparseConfig = field(default_factory=SparseConfig)
 
     def __post_init__(self):
         if isinstance(self.cache, dict):
             object.__setattr__(self, "cache", CacheConfig(**self.cache))
+        if isinstance(self.sparse, dict):
+            object.__setattr__(self, "sparse", SparseConfig(**self.sparse))
         _require(isinstance(self.max_seq_len, int) and self.max_seq_len > 0,
                  f"max_seq_len={self.max_seq_len!r} must be a positive integer.")
         _require(isinstance(self.max_batch, int) and self.max_batch > 0,
@@ -215,6 +259,17 @@ class EngineConfig:
             _require(c.num_pages >= need,
                      f"cache.num_pages={c.num_pages} is too small for one sequence of max_seq_len="
                      f"{self.max_seq_len}: it needs {need} (pages of {c.block_size} tokens + the null page).")
+        sp = self.sparse
+        if sp.enabled:
+            _require(c.kind == "paged", f"sparse.enabled needs cache.kind='paged' (got {c.kind!r}).")
+            fixed = (sp.sink_pages + sp.local_pages) * c.block_size
+            _require(sp.budget >= fixed,
+                     f"sparse.budget={sp.budget} is smaller than sink + local = ({sp.sink_pages} + "
+                     f"{sp.local_pages}) pages x {c.block_size} tokens = {fixed}; raise the budget or "
+                     f"lower sink_pages/local_pages.")
+            _require(sp.budget // c.block_size <= self.num_pages - 1,
+                     f"sparse.budget={sp.budget} selects {sp.budget // c.block_size} pages (top-k) but the "
+                     f"pool has only {self.num_pages - 1}; lower the budget or raise cache.num_pages.")
 
     @property
     def pages_per_seq(self) -> int:
@@ -237,11 +292,13 @@ def from_dict(cls, data: dict[str, Any]):
     if unknown:
         raise ConfigError(f"{cls.__name__} got unknown field(s) {unknown}; allowed: {sorted(names)}.")
     kwargs = dict(data)
-    if cls is EngineConfig and isinstance(kwargs.get("cache"), dict):
-        try:
-            kwargs["cache"] = CacheConfig(**kwargs["cache"])
-        except TypeError as e:
-            raise ConfigError(f"CacheConfig: {e}") from None
+    if cls is EngineConfig:
+        for key, sub in (("cache", CacheConfig), ("sparse", SparseConfig)):
+            if isinstance(kwargs.get(key), dict):
+                try:
+                    kwargs[key] = sub(**kwargs[key])
+                except TypeError as e:
+                    raise ConfigError(f"{sub.__name__}: {e}") from None
     if cls is ModelConfig:
         for key in ("rope", "local_rope"):
             if isinstance(kwargs.get(key), dict):

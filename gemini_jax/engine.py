@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from gemini_jax.attention import digests
 from gemini_jax.cache import ContiguousKV, contiguous_backend
 from gemini_jax.cache.manager import KVCacheManager
 from gemini_jax.cache.paged import PagedKV, copy_pages, paged_backend
@@ -74,7 +75,13 @@ class Engine:
             self.kv = KVCacheManager(self.config.num_pages, c.block_size, prefix_caching=c.prefix_caching)
             self.k_pool, self.v_pool = PagedKV.create_pool(model.cfg, self.config.num_pages,
                                                            c.block_size, self.cache_dtype)
-            backend = paged_backend(model.cfg, self.config.attention_impl)
+            sp = self.config.sparse
+            self.digests = None
+            if sp.enabled:
+                self.digest_dtype = jnp.dtype(sp.digest_dtype or self.cache_dtype)
+                self.digests = digests.create(sp.digest, model.cfg.num_layers, model.cfg.num_kv_heads,
+                                              self.config.num_pages, model.cfg.head_dim, self.digest_dtype)
+            backend = paged_backend(model.cfg, self.config.attention_impl, sp)
         else:
             self.kv = None
             backend = contiguous_backend(model.cfg)
@@ -231,13 +238,13 @@ class _PagedRunner:
 
     def _call(self, ids, tokens, positions, lengths, select):
         e = self.eng
-        width = _pow2_at_least(max(len(e.kv.seqs[s].pages) for s in ids))
+        width = _table_width(max(len(e.kv.seqs[s].pages) for s in ids), e.config.pages_per_seq)
         cache = PagedKV(e.k_pool, e.v_pool, jnp.asarray(e.kv.block_tables(ids, width)),
-                        jnp.asarray(lengths, jnp.int32))
+                        jnp.asarray(lengths, jnp.int32), e.digests, jnp.zeros((), jnp.int32))
         logits, cache = e._step(e.params, cache, jnp.asarray(tokens), jnp.asarray(positions),
                                 jnp.asarray(select, jnp.int32))
-        e.k_pool, e.v_pool = cache.k, cache.v
-        return logits, width
+        e.k_pool, e.v_pool, e.digests = cache.k, cache.v, cache.digests
+        return logits, width, int(cache.page_reads)
 
     def prefill(self, row, toks):
         e, sid = self.eng, self.ids[row]
@@ -247,7 +254,7 @@ class _PagedRunner:
         for padded, pos, n in e._prefill_chunks(toks, reused):
             end = int(pos[0]) + n
             e.kv.reserve(sid, end)
-            logits, _ = self._call([sid], padded[None], pos[None], [end], [n - 1])
+            logits, _, _ = self._call([sid], padded[None], pos[None], [end], [n - 1])
             e.kv.commit(sid, padded[:n])
             e.kv.drop_outside_window(sid, self.window)
             self.stats["prefill_tokens_computed"] += n
@@ -258,20 +265,38 @@ class _PagedRunner:
         e = self.eng
         for sid, n in zip(self.ids, lengths):
             e.kv.reserve(sid, int(n) + 1)
-        logits, width = self._call(self.ids, nxt[:, None], lengths[:, None], lengths + 1,
-                                   np.zeros(len(self.ids)))
+        logits, width, page_reads = self._call(self.ids, nxt[:, None], lengths[:, None], lengths + 1,
+                                               np.zeros(len(self.ids)))
         for sid, t in zip(self.ids, nxt):
             e.kv.commit(sid, [int(t)])
             e.kv.drop_outside_window(sid, self.window)
-        cfg = e.model_cfg
-        page_bytes = 2 * cfg.num_kv_heads * e.config.cache.block_size * cfg.head_dim * e.cache_dtype.itemsize
-        self.stats["kv_bytes_read"] += cfg.num_layers * len(self.ids) * width * page_bytes
+        cfg, S = e.model_cfg, e.config.cache.block_size
+        # page_reads counts (page, kv head) pairs the attention read, over all layers.
+        self.stats["kv_bytes_read"] += page_reads * 2 * S * cfg.head_dim * e.cache_dtype.itemsize
+        sp = e.config.sparse
+        if sp.enabled:
+            self.stats["pages_selected"] += page_reads
+            sparse_layers = max(cfg.num_layers - sp.dense_layers, 0)
+            rows = digests.ROWS[sp.digest]
+            self.stats["digest_bytes_read"] += (sparse_layers * len(self.ids) * width * cfg.num_kv_heads
+                                                * rows * cfg.head_dim * e.digest_dtype.itemsize)
         return logits
 
     def close(self):
         for sid in self.ids:
             if sid in self.eng.kv.seqs:
                 self.eng.kv.free(sid)
+
+
+def _table_width(pages: int, cap: int) -> int:
+    """Block-table width for a call: few distinct shapes (each compiles once) yet little padding.
+
+    Up to 64 pages: powers of two. Beyond: steps of 1/16 of the enclosing power of two (at most
+    ~12.5% padded pages read). Capped at the longest sequence the engine allows.
+    """
+    p2 = _pow2_at_least(pages)
+    step = p2 if p2 <= 64 else p2 // 16
+    return min(-(-pages // step) * step, max(cap, pages))
 
 
 def _run(graphdef, backend, params, cache, tokens, positions, select):

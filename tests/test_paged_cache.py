@@ -140,7 +140,7 @@ def test_fork_copies_partial_page_on_device():
     assert len(copies) == (1 if 20 % 64 else 0)
     for c in copies:
         import jax.numpy as jnp
-        kp, vp = copy_pages(jnp.asarray(eng.k_pool), jnp.asarray(eng.v_pool),
+        kp, vp, _ = copy_pages(jnp.asarray(eng.k_pool), jnp.asarray(eng.v_pool),
                             jnp.asarray([c.src]), jnp.asarray([c.dst]))
         np.testing.assert_array_equal(np.asarray(kp)[:, :, c.dst], np.asarray(kp)[:, :, c.src])
         assert mgr.seqs[1].pages[-1] == c.dst != mgr.seqs[0].pages[-1]

@@ -94,8 +94,8 @@ def measure_bandwidth(mib: int, repeats: int) -> dict:
     """Memory bandwidth of this machine, two ways, median of `repeats` each (interleaved):
 
     * `jax_sum_read_gbs`: a jitted `jnp.sum` over a float32 array of `mib` MiB (far above L3),
-      counting the array's bytes once (a pure streaming read, on XLA's CPU thread pool: the
-      same runtime and threads our decode step uses). This is the reference for KV-read bounds.
+      counting the array's bytes once (a pure streaming read in XLA's CPU runtime, the runtime
+      our decode step runs in). This is the reference for KV-read bounds.
     * `numpy_copy_gbs`: `np.copyto(dst, src)` of `mib` MiB, counting read + write
       (2 x size; single-threaded, so a lower bound on what the machine can do).
     """

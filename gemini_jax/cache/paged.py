@@ -7,12 +7,15 @@ layer scan carries it and updates one layer in place.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 
-from gemini_jax.config import ModelConfig
+from gemini_jax.attention import digests as D
+from gemini_jax.attention.select import page_scores, select_pages
+from gemini_jax.attention.sparse import sparse_attention
+from gemini_jax.config import ModelConfig, SparseConfig
 from gemini_jax.model import layers as L
 
 
@@ -23,6 +26,8 @@ class PagedKV(NamedTuple):
     v: jax.Array
     block_tables: jax.Array  # i32[B, pages_per_seq]
     lengths: jax.Array  # i32[B]: valid tokens per sequence once this call's tokens are written
+    digests: Optional[jax.Array] = None  # [layers, kv_heads, num_pages, R, head_dim] (sparse only)
+    page_reads: Optional[jax.Array] = None  # i32[]: (page, kv head) pairs attention read, all layers
 
     @staticmethod
     def create_pool(cfg: ModelConfig, num_pages: int, block_size: int, dtype):
@@ -55,45 +60,98 @@ def gather_pages(pool_layer, block_tables):
     return g.transpose(1, 2, 3, 0, 4).reshape(B, W * S, K, D)
 
 
-def paged_backend(cfg: ModelConfig, impl: str = "xla", interpret=None):
-    """KV backend over the paged pool. impl 'xla': gather pages, then dense attention (the CPU
-    fast path, any number of query tokens). impl 'pallas': decode steps (one query token) go
-    through `pallas_kernels.paged_decode`; prefill chunks use the XLA path."""
+def paged_backend(cfg: ModelConfig, impl: str = "xla", sparse: SparseConfig | None = None, interpret=None):
+    """KV backend over the paged pool.
+
+    impl 'xla': gather pages, then dense attention (the CPU fast path, any number of queries).
+    impl 'pallas': decode steps (one query) go through `pallas_kernels`; prefill chunks use XLA.
+    With `sparse.enabled`, digests are kept for every written page, and decode steps (and
+    prefill chunks, with sparse_prefill) attend only to the selected pages.
+    """
     windows = sorted(set(cfg.layer_windows))
+    sp = sparse if sparse is not None and sparse.enabled else None
 
     def attend(layer, q, k, v, q_pos, window, cache: PagedKV):
         k_pool, v_pool = write_pages(cache.k, cache.v, layer, k, v, q_pos, cache.block_tables,
                                      cache.lengths)
         cache = cache._replace(k=k_pool, v=v_pool)
+        if sp is not None:
+            cache = cache._replace(digests=D.update(sp.digest, cache.digests, k_pool, layer, q_pos,
+                                                    cache.block_tables, cache.lengths))
+        T = q.shape[1]
+        if sp is not None and (T == 1 or sp.sparse_prefill):
+            if sp.dense_layers > 0:
+                out, reads = jax.lax.cond(layer < sp.dense_layers,
+                                          lambda: dense(layer, q, q_pos, window, cache),
+                                          lambda: sparse_step(layer, q, q_pos, window, cache))
+            else:
+                out, reads = sparse_step(layer, q, q_pos, window, cache)
+        else:
+            out, reads = dense(layer, q, q_pos, window, cache)
+        if cache.page_reads is not None:
+            cache = cache._replace(page_reads=cache.page_reads + reads)
+        return out, cache
+
+    def dense(layer, q, q_pos, window, cache):
+        B, W = cache.block_tables.shape
+        reads = jnp.int32(B * W * cfg.num_kv_heads)  # the gather path reads the whole table
         if impl == "pallas" and q.shape[1] == 1:
-            return _pallas_decode(q, k_pool[layer], v_pool[layer], cache, window), cache
-        kk = gather_pages(k_pool[layer], cache.block_tables)
-        vv = gather_pages(v_pool[layer], cache.block_tables)
+            return _pallas_decode(q, cache.k[layer], cache.v[layer], cache, window), reads
+        kk = gather_pages(cache.k[layer], cache.block_tables)
+        vv = gather_pages(cache.v[layer], cache.block_tables)
         k_pos = jnp.broadcast_to(jnp.arange(kk.shape[1], dtype=jnp.int32), kk.shape[:2])
         valid = k_pos < cache.lengths[:, None]
         mask = L.attention_mask(q_pos, k_pos, valid, window)
         out = L.dense_attention(q, kk.astype(q.dtype), vv.astype(q.dtype), mask,
                                 scale=cfg.scale, cap=cfg.attn_softcap)
-        return out, cache
+        return out, reads
+
+    def sparse_step(layer, q, q_pos, window, cache):
+        S = cache.k.shape[3]
+        T = q.shape[1]
+        dig = cache.digests[layer][:, cache.block_tables]  # [K, B, W, R, D]
+        scores = page_scores(sp.digest, q, jnp.swapaxes(dig, 0, 1), sp.group_reduce)
+        k = sp.budget // S + (0 if T == 1 else T // S + 1)  # a prefill chunk's own pages are extra
+        selected = select_pages(scores, q_pos[:, 0], q_pos[:, -1], block_size=S, k=k,
+                                sink_pages=sp.sink_pages, local_pages=sp.local_pages, window=window)
+        reads = jnp.sum(selected >= 0).astype(jnp.int32)
+        if impl == "pallas" and T == 1:
+            out = _pallas_sparse(q, cache.k[layer], cache.v[layer], cache, selected, window)
+        else:
+            out = sparse_attention(q, q_pos, cache.k[layer], cache.v[layer], cache.block_tables,
+                                   cache.lengths, selected, scale=cfg.scale, cap=cfg.attn_softcap,
+                                   window=window)
+        return out, reads
+
+    def _by_window(window, make):
+        """Kernels take the window statically; layers differ (Gemma), so switch on it."""
+        if len(windows) == 1:
+            return make(windows[0])()
+        idx = sum(jnp.where(window == w, i, 0) for i, w in enumerate(windows))
+        return jax.lax.switch(idx, [make(w) for w in windows])
 
     def _pallas_decode(q, kp, vp, cache, window):
         from pallas_kernels.paged_decode import paged_decode_attention
 
-        # The kernel takes its window statically; layers differ (Gemma), so switch on it.
-        def branch(w):
-            return lambda: paged_decode_attention(
-                q[:, 0], kp, vp, cache.block_tables, cache.lengths, sm_scale=cfg.scale,
-                soft_cap=cfg.attn_softcap, sliding_window=(w or None), interpret=interpret)[:, None]
+        return _by_window(window, lambda w: lambda: paged_decode_attention(
+            q[:, 0], kp, vp, cache.block_tables, cache.lengths, sm_scale=cfg.scale,
+            soft_cap=cfg.attn_softcap, sliding_window=(w or None), interpret=interpret)[:, None])
 
-        if len(windows) == 1:
-            return branch(windows[0])()
-        idx = sum(jnp.where(window == w, i, 0) for i, w in enumerate(windows))
-        return jax.lax.switch(idx, [branch(w) for w in windows])
+    def _pallas_sparse(q, kp, vp, cache, selected, window):
+        from pallas_kernels.sparse_decode import sparse_decode_attention
+
+        return _by_window(window, lambda w: lambda: sparse_decode_attention(
+            q[:, 0], kp, vp, cache.block_tables, cache.lengths, selected, sm_scale=cfg.scale,
+            soft_cap=cfg.attn_softcap, sliding_window=(w or None), interpret=interpret)[:, None])
 
     return attend
 
 
 @jax.jit
-def copy_pages(k_pool, v_pool, src, dst):
+def copy_pages(k_pool, v_pool, src, dst, digests=None):
     """Copy whole pages src[i] -> dst[i] in every layer (copy-on-write of partial pages)."""
-    return (k_pool.at[:, :, dst].set(k_pool[:, :, src]), v_pool.at[:, :, dst].set(v_pool[:, :, src]))
+    k_pool = k_pool.at[:, :, dst].set(k_pool[:, :, src])
+    v_pool = v_pool.at[:, :, dst].set(v_pool[:, :, src])
+    if digests is not None:
+        digests = digests.at[:, :, dst].set(digests[:, :, src])
+    return k_pool, v_pool, digests

@@ -80,7 +80,7 @@ def prefix_ttft(ctx: Context) -> RowResult:
               r["prefill_tokens_computed"]] for r in recs]
     md = md_table(["request", "TTFT (median)", "prefill_tokens_reused", "prefill_tokens_computed"], table)
     md += (f"\n\nPrompt = {P}-token prefix + {S}-token suffix, engine `prefill_chunk` "
-           f"{paged.config.prefill_chunk}. **Speed-up from the cached prefix (cold / warm): "
-           f"{fmt_ratio(speed)}**. Cold prefill paged / contiguous: {fmt_ratio(vs_contig)}. "
+           f"{paged.config.prefill_chunk}. Speed-up from the cached prefix (cold / warm): "
+           f"{fmt_ratio(speed)}. Cold prefill paged / contiguous: {fmt_ratio(vs_contig)}. "
            f"Median of {s['repeats']} repeats (per-repeat ratios, min–max).")
     return RowResult(records=recs, markdown=md)

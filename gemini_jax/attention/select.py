@@ -1,0 +1,60 @@
+"""Page selection: score every page from its digest, keep sink + local pages, take the top-k.
+
+Selection is in *logical* page space (index into a sequence's block table), per (sequence, kv
+head); all query heads of a GQA group share it. Output is ascending logical ids padded with -1,
+the format `pallas_kernels.sparse_decode` takes.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+NEG = -jnp.inf
+
+
+def page_scores(kind: str, q, dig, group_reduce: str = "max"):
+    """q [B, T, Hq, D], dig [B, K, W, R, D] (digests of the block table's pages) -> f32[B, K, W].
+
+    minmax: sum_d max(q_d lo_d, q_d hi_d) = q+ . hi + q- . lo (two matmuls, no [.., D] temp).
+    mean:   q . mean. Scores are reduced over the chunk's queries (max) and the group's heads.
+    """
+    B, T, H, D = q.shape
+    K = dig.shape[1]
+    qg = q.reshape(B, T, K, H // K, D).astype(jnp.float32)
+    d = dig.astype(jnp.float32)
+    if kind == "minmax":
+        s = (jnp.einsum("btkgd,bkwd->bkgtw", jnp.maximum(qg, 0), d[..., 1, :])
+             + jnp.einsum("btkgd,bkwd->bkgtw", jnp.minimum(qg, 0), d[..., 0, :]))
+    else:
+        s = jnp.einsum("btkgd,bkwd->bkgtw", qg, d[..., 0, :])
+    s = jnp.max(s, axis=3)  # over the chunk's queries
+    return jnp.max(s, axis=2) if group_reduce == "max" else jnp.mean(s, axis=2)
+
+
+def select_pages(scores, first_pos, last_pos, *, block_size: int, k: int, sink_pages: int,
+                 local_pages: int, window=0):
+    """Top-k logical pages per (b, kv head) -> i32[B, K, k] ascending, -1 padded.
+
+    scores f32[B, K, W]; first_pos/last_pos i32[B]: positions of the call's first and last query.
+    Pages past the last query are never chosen; pages wholly outside a sliding `window` are
+    never chosen; sink pages, the `local_pages` ending at the first query's page and the pages
+    of the call's own queries are forced.
+    """
+    B, K, W = scores.shape
+    w = jnp.arange(W)[None, None, :]
+    last_page = (last_pos // block_size)[:, None, None]
+    first_page = (first_pos // block_size)[:, None, None]
+    valid = w <= last_page
+    # A page is outside the window for every query of the call if its last key is <= first - W.
+    outside = (window > 0) & ((w + 1) * block_size - 1 <= first_pos[:, None, None] - window)
+    valid = valid & ~outside
+    # Local: the `local_pages` ending at the first query's page, and every page of the call itself.
+    forced = (w < sink_pages) | (w >= first_page - local_pages + 1)
+    s = jnp.where(forced, jnp.inf, scores)
+    s = jnp.where(valid, s, NEG)
+    k = min(k, W)
+    top_s, top_i = jax.lax.top_k(s, k)
+    chosen = jnp.where(top_s > NEG, top_i, W + 1)  # invalid sorts last
+    chosen = jnp.sort(chosen, axis=-1)
+    return jnp.where(chosen > W, -1, chosen).astype(jnp.int32)

@@ -1,0 +1,129 @@
+"""Chunk-sparse attention: exactness at full budget, digests, exact top-k selection, errors."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import gemini_jax as gj
+from gemini_jax.attention import page_scores, select_pages
+from gemini_jax.attention.digests import page_digest
+from gemini_jax.errors import ConfigError
+from helpers import FAMILIES, random_model, random_prompts, tiny_config
+
+
+def _engine(model, sparse=None, block=8, **kw):
+    return gj.Engine(model, gj.config.from_dict(gj.EngineConfig, dict(
+        max_seq_len=160, prefill_chunk=16, max_batch=4, cache=dict(block_size=block),
+        sparse=sparse or {}, **kw)))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_budget_covering_context_equals_dense_paged(family):
+    """Invariant 3: sparse with budget >= context is dense paged, token for token."""
+    rng = np.random.default_rng()
+    cfg = tiny_config(family)
+    model = random_model(cfg, int(rng.integers(1000)))
+    prompts = random_prompts(rng, cfg.vocab_size, (9, 60, 101))
+    params = gj.SamplingParams(max_new_tokens=10, stop_at_eos=False)
+    dense = _engine(model).generate(prompts, params, return_logits=True)
+    for sparse in (dict(enabled=True, budget=160), dict(enabled=True, budget=160, digest="mean",
+                                                         sparse_prefill=True, group_reduce="mean")):
+        out = _engine(model, sparse).generate(prompts, params, return_logits=True)
+        assert out.tokens == dense.tokens
+        for a, b in zip(out.logits, dense.logits):
+            np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+        assert out.stats["pages_selected"] > 0 and out.stats["digest_bytes_read"] > 0
+
+
+def test_small_budget_reads_less_and_counts_it():
+    rng = np.random.default_rng()
+    cfg = tiny_config("llama")
+    model = random_model(cfg, 3)
+    prompt = random_prompts(rng, cfg.vocab_size, (150,))[0]
+    params = gj.SamplingParams(max_new_tokens=6, stop_at_eos=False)
+    dense = _engine(model).generate(prompt, params)
+    sparse = _engine(model, dict(enabled=True, budget=32, sink_pages=1, local_pages=2)).generate(prompt, params)
+    # 4 pages of 8 tokens per (layer, kv head) per step, vs every page for dense.
+    assert sparse.stats["pages_selected"] == 5 * cfg.num_layers * cfg.num_kv_heads * 4
+    assert sparse.stats["kv_bytes_read"] < dense.stats["kv_bytes_read"] / 3
+
+
+@pytest.mark.parametrize("kind", ["minmax", "mean"])
+def test_digests_match_pages_after_generate(kind):
+    """Digests on device equal the brute-force digest of each page's valid keys (partial too)."""
+    rng = np.random.default_rng()
+    cfg = tiny_config("qwen3")
+    eng = _engine(random_model(cfg, 4), dict(enabled=True, budget=64, digest=kind))
+    prompt = random_prompts(rng, cfg.vocab_size, (45,))[0]
+    sid_before = set(eng.kv.seqs)
+    # Keep the sequence alive to inspect its pages: run the runner by hand.
+    from gemini_jax.engine import _PagedRunner, new_stats
+
+    runner = _PagedRunner(eng, 1, new_stats())
+    runner.prefill(0, np.asarray(prompt, np.int32))
+    seq = eng.kv.seqs[runner.ids[0]]
+    k = np.asarray(eng.k_pool)
+    dig = np.asarray(eng.digests)
+    for i, page in enumerate(seq.pages):
+        count = min(8, seq.num_tokens - i * 8)
+        keys = k[:, :, page, :count]  # [L, K, count, D]
+        if kind == "minmax":
+            want = np.stack([keys.min(2), keys.max(2)], axis=2)
+        else:
+            want = keys.mean(2)[:, :, None]
+        np.testing.assert_allclose(dig[:, :, page], want, atol=1e-6)
+    runner.close()
+    assert set(eng.kv.seqs) == sid_before
+
+
+def test_quest_score_is_upper_bound():
+    rng = np.random.default_rng()
+    keys = jnp.asarray(rng.normal(size=(3, 8, 16)).astype(np.float32))  # 3 pages of 8 keys
+    q = jnp.asarray(rng.normal(size=(1, 1, 1, 16)).astype(np.float32))
+    dig = page_digest("minmax", keys, jnp.full((3,), 8))[None, None]  # [1, 1, 3, 2, 16]
+    bound = np.asarray(page_scores("minmax", q, dig))[0, 0]
+    exact = np.asarray(jnp.einsum("psd,d->ps", keys, q[0, 0, 0])).max(-1)
+    assert np.all(bound >= exact - 1e-5)
+
+
+def test_selection_is_exact_top_k():
+    """select_pages == brute force: forced sink/local pages plus the top-scoring others."""
+    rng = np.random.default_rng()
+    S = 8
+    for _ in range(20):
+        B, K, W = 3, 2, int(rng.integers(4, 40))
+        scores = rng.normal(size=(B, K, W)).astype(np.float32)
+        last = rng.integers(0, W * S, B)
+        k, sink, local = int(rng.integers(3, 12)), int(rng.integers(0, 3)), int(rng.integers(1, 3))
+        got = np.asarray(select_pages(jnp.asarray(scores), jnp.asarray(last), jnp.asarray(last),
+                                      block_size=S, k=k, sink_pages=sink, local_pages=local))
+        for b in range(B):
+            lp = last[b] // S
+            for h in range(K):
+                valid = list(range(lp + 1))
+                forced = [w for w in valid if w < sink or w >= lp - local + 1]
+                rest = sorted((w for w in valid if w not in forced), key=lambda w: -scores[b, h, w])
+                want = sorted(forced + rest)[:0] or sorted((forced + rest)[:min(k, W)])
+                if len(forced) >= min(k, W):
+                    want = sorted(forced)[:min(k, W)] if len(forced) > min(k, W) else sorted(forced)
+                sel = [int(x) for x in got[b, h] if x >= 0]
+                if len(forced) <= min(k, W):
+                    assert sel == sorted(forced + rest[:min(k, W) - len(forced)]), (b, h)
+                else:
+                    assert set(sel) <= set(forced)
+
+
+@pytest.mark.parametrize("sparse,match", [
+    (dict(enabled=True, budget=8), "sparse.budget"),
+    (dict(enabled=True, digest="pca"), "sparse.digest"),
+    (dict(enabled=True, budget=100_000), "top-k"),
+    (dict(enabled=True, group_reduce="sum"), "group_reduce"),
+])
+def test_bad_sparse_config(sparse, match):
+    with pytest.raises(ConfigError, match=match):
+        gj.config.from_dict(gj.EngineConfig, dict(max_seq_len=1024, max_batch=1, sparse=sparse))
+
+
+def test_sparse_needs_paged_cache():
+    with pytest.raises(ConfigError, match="paged"):
+        gj.config.from_dict(gj.EngineConfig, dict(cache=dict(kind="contiguous"), sparse=dict(enabled=True)))
