@@ -69,7 +69,74 @@ def run_generate(cfg, model, tok, desc):
             "decode_tokens_per_s": decode_tps, "model": desc}
 
 
-EXPERIMENTS = {"generate": run_generate}
+def _engine_for(cfg, longest: int):
+    ecfg = build(EngineConfig, cfg.engine)
+    if ecfg.max_seq_len < longest:
+        print(f"engine.max_seq_len raised from {ecfg.max_seq_len} to {longest} to fit the experiment")
+        data = OmegaConf.to_container(cfg.engine, resolve=True)
+        data["max_seq_len"] = longest
+        ecfg = build(EngineConfig, data)
+    return ecfg
+
+
+def _haystack(name: str):
+    from gemini_jax.data import corpus
+
+    if name in ("heldout", "train"):
+        return corpus.load_split(name)[1]
+    with open(name, "rb") as fh:
+        return np.frombuffer(fh.read(), np.uint8)
+
+
+def run_needle(cfg, model, tok, desc):
+    from gemini_jax.eval import needle, write_needle
+
+    ex = cfg.experiment
+    lengths = [int(x) for x in ex.lengths]
+    eng = gj.Engine(model, _engine_for(cfg, max(lengths) + 16))
+    res = needle(eng, lengths, [float(d) for d in ex.depths], trials=int(ex.trials), batch=int(ex.batch),
+                 distractors=int(ex.distractors), haystack=_haystack(ex.haystack), seed=int(cfg.seed))
+    e = eng.config
+    label = (f"{desc}; cache {e.cache.kind} bs={e.cache.block_size}; "
+             + (f"sparse {e.sparse.digest} budget={e.sparse.budget}" if e.sparse.enabled else "dense"))
+    out_dir = os.path.join(ROOT, cfg.results_dir)
+    paths = write_needle(res, out_dir, ex.out_name, label, {"engine": OmegaConf.to_container(cfg.engine),
+                                                            "model": desc})
+    print(f"model: {desc}")
+    for L, accs in zip(res.lengths, res.accuracy):
+        print(f"{L:>8}  " + "  ".join(f"{a:.2f}" for a in accs))
+    print(f"{'overall accuracy':<28}{res.overall:.3f}")
+    print(f"{'written':<28}{paths['md']}")
+    return {"stats": eng.stats, **res.to_dict()}
+
+
+def run_perplexity(cfg, model, tok, desc):
+    from gemini_jax.eval import perplexity, unigram_bits_per_byte
+
+    ex = cfg.experiment
+    contexts = [int(c) for c in ex.contexts]
+    eng = gj.Engine(model, _engine_for(cfg, max(contexts) + 16))
+    rows = [perplexity(eng, c, windows=int(ex.windows), scored=int(ex.scored), seed=int(cfg.seed))
+            for c in contexts]
+    uni = unigram_bits_per_byte()
+    print(f"model: {desc}")
+    for r in rows:
+        print(f"{'bits/byte @' + str(r['context']):<28}{r['bits_per_byte']:.3f}")
+    print(f"{'unigram baseline':<28}{uni:.3f}")
+    out_dir = os.path.join(ROOT, cfg.results_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    result = {"rows": rows, "unigram_bits_per_byte": uni, "model": desc,
+              "engine": OmegaConf.to_container(cfg.engine)}
+    with open(os.path.join(out_dir, f"{ex.out_name}.json"), "w") as fh:
+        json.dump(result, fh, indent=1)
+    with open(os.path.join(out_dir, f"{ex.out_name}.md"), "w") as fh:
+        fh.write(f"### bits per byte, held-out stdlib ({desc})\n\n| context | bits/byte |\n|---|---|\n")
+        fh.writelines(f"| {r['context']} | {r['bits_per_byte']:.3f} |\n" for r in rows)
+        fh.write(f"| unigram baseline | {uni:.3f} |\n")
+    return {"stats": eng.stats, **result}
+
+
+EXPERIMENTS = {"generate": run_generate, "needle": run_needle, "perplexity": run_perplexity}
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="config")

@@ -178,12 +178,13 @@ def sparse_decode_attention(
       block_tables: i32[B, pages_per_seq]; entry [b, i] is the physical page of sequence b's
         logical page i. Only entries of selected pages holding a visible key are read.
       lengths: i32[B], valid tokens per sequence, in [0, pages_per_seq * S].
-      selected: i32[B, Hkv, K]; the logical pages each (sequence, kv head) attends to, ascending
-        and distinct, padded at the end with -1. Entries that are negative, >= pages_per_seq, or
-        name a page with no visible key (past the last used page, wholly before the window) are
-        skipped without being looked up; order does not matter. A (b, h) with no such entry, or a
-        sequence of length 0, returns zeros (no NaN). Values are traced, so not checked: a
-        repeated page is counted once per repeat.
+      selected: i32[B, Hkv, K], K >= 1; the distinct logical pages each (sequence, kv head)
+        attends to, by convention ascending and padded at the end with -1 (the order does not
+        change the result). Entries that are negative, >= pages_per_seq, or name a page with no
+        visible key (past the last used page, wholly before the window) are skipped, their
+        block-table entries never used. A (b, h) with nothing left, or a sequence of length 0,
+        returns zeros (no NaN). Values are traced, so not checked: a repeated page would count
+        once per repeat.
       sm_scale: static score scale, e.g. head_dim ** -0.5.
       soft_cap: static logit soft cap, or None.
       sliding_window: static window W >= 1, or None for full attention.

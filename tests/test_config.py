@@ -79,3 +79,13 @@ def test_hydra_override_type_checked():
 def test_public_api_names():
     for name in ("load_hf", "load_tiny", "forward", "Engine", "EngineConfig", "SamplingParams", "Model"):
         assert hasattr(gj, name)
+
+
+@pytest.mark.parametrize("preset,enabled,digest", [("off", False, "minmax"), ("quest", True, "minmax"),
+                                                    ("mean", True, "mean")])
+def test_sparse_presets(preset, enabled, digest):
+    register()
+    with initialize_config_dir(config_dir=CONF, version_base=None):
+        cfg = compose(config_name="config", overrides=[f"sparse={preset}", "engine.sparse.budget=1024"])
+    sp = build(EngineConfig, cfg.engine).sparse
+    assert (sp.enabled, sp.digest, sp.budget) == (enabled, digest, 1024)

@@ -173,7 +173,8 @@ def test_bfloat16_matches_float32_reference(seed):
         *(x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x for x in bf16),
         jnp.asarray(selected), **knobs)
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref), **BF16_TOL,
-                               err_msg=f"seed={seed} lengths={lengths} selected={selected})")
+                               err_msg=f"seed={seed} lengths={lengths} "
+                                       f"selected={selected.tolist()}")
 
 
 def test_length_zero_returns_zeros(seed):

@@ -9,6 +9,11 @@ random K/V instead of running prefill:
   [0, context) of its [max_seq_len] buffer filled;
 * paged: `_PagedRunner`, with the sequence registered in the engine's `KVCacheManager` (pages
   reserved and tokens committed, as prefill would leave them) and those pages of the pool filled.
+  With a `SparseConfig` (enabled), the page digests of the filled pages are then computed from
+  the filled keys by the engine's own digest maintenance, `digests.update`, called per layer with
+  positions [0, context) (the call a prefill of the whole context would make), and stored in
+  `Engine.digests`; a spot check compares a few pages with `digests.page_digest`. So selection
+  scores the cache that is really there, as after a real prefill.
 
 `step()` then calls `runner.decode` — the exact per-token work of `generate`'s loop: host
 bookkeeping (reserve/commit/block table for paged), the jitted step `Engine._step`, and a greedy
@@ -25,19 +30,21 @@ import jax.numpy as jnp
 import numpy as np
 
 import gemini_jax as gj
-from gemini_jax.config import CacheConfig
+from gemini_jax.attention import digests as D
+from gemini_jax.config import CacheConfig, SparseConfig
 from gemini_jax.engine import _ContiguousRunner, _PagedRunner, new_stats
 
 
 class DecodeHarness:
     def __init__(self, model, *, kind: str, context: int, new_tokens: int, block_size: int = 16,
-                 seed: int = 0, max_batch: int = 1):
+                 seed: int = 0, max_batch: int = 1, sparse: SparseConfig | None = None):
         cfg = model.cfg
         # NOTE: max_seq_len = context + new_tokens for every variant, and a pool sized for one
         # sequence (max_batch=1), so no variant pays for a bigger buffer than it needs.
         self.eng = gj.Engine(model, gj.EngineConfig(
             max_seq_len=context + new_tokens, max_batch=max_batch,
-            cache=CacheConfig(kind=kind, block_size=block_size, prefix_caching=False)))
+            cache=CacheConfig(kind=kind, block_size=block_size, prefix_caching=False),
+            sparse=sparse or SparseConfig()))
         self.kind, self.context, self.capacity = kind, context, context + new_tokens
         self.stats = new_stats()
         key = jax.random.key(seed)
@@ -56,6 +63,8 @@ class DecodeHarness:
             self.eng.k_pool = self.eng.k_pool.at[:, :, pages].set(jax.random.normal(kk, shape, dt))
             self.eng.v_pool = self.eng.v_pool.at[:, :, pages].set(jax.random.normal(kv, shape, dt))
             jax.block_until_ready((self.eng.k_pool, self.eng.v_pool))
+            if self.eng.digests is not None:
+                self._fill_digests(np.asarray(kvm.seqs[sid].pages, np.int32), context, seed)
         else:
             self.runner = _ContiguousRunner(self.eng, 1, self.stats)
             c = self.runner.cache
@@ -66,6 +75,28 @@ class DecodeHarness:
         self.lengths = np.array([context], np.int32)
         self.next_tok = np.array([1], np.int32)
         self.steps = 0
+
+    def _fill_digests(self, pages: np.ndarray, context: int, seed: int):
+        """Digests of the filled pages, layer by layer (bounded temporaries), via `digests.update`."""
+        e, kind = self.eng, self.eng.config.sparse.digest
+        L = self.eng.model_cfg.num_layers
+        S = self.eng.config.cache.block_size
+        bt = jnp.asarray(pages[None])
+        pos = jnp.arange(context, dtype=jnp.int32)[None]
+        lengths = jnp.asarray([context], jnp.int32)
+        upd = jax.jit(D.update, static_argnums=0, donate_argnums=1)
+        for layer in range(L):
+            e.digests = upd(kind, e.digests, e.k_pool, layer, pos, bt, lengths)
+        jax.block_until_ready(e.digests)
+        # Spot check against page_digest: the first, a random and the last (maybe partial) page.
+        rng = np.random.default_rng(seed)
+        for j in sorted({0, int(rng.integers(len(pages))), len(pages) - 1}):
+            count = min(S, context - j * S)
+            layer = int(rng.integers(L))
+            want = D.page_digest(kind, e.k_pool[layer, :, pages[j]], jnp.full((e.k_pool.shape[1],), count))
+            got = e.digests[layer, :, pages[j]]
+            if not np.allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=1e-6):
+                raise AssertionError(f"digest of page {j} (layer {layer}) does not match its keys.")
 
     def step(self):
         if self.lengths[0] >= self.capacity:
@@ -87,6 +118,11 @@ class DecodeHarness:
     def kv_bytes_per_step(self) -> float:
         """The engine's own `kv_bytes_read` counter over the steps taken."""
         return self.stats["kv_bytes_read"] / max(self.steps, 1)
+
+    @property
+    def digest_bytes_per_step(self) -> float:
+        """The engine's own `digest_bytes_read` counter over the steps taken (0 when dense)."""
+        return self.stats["digest_bytes_read"] / max(self.steps, 1)
 
     def close(self):
         """Free the sequence and drop the cache arrays (idempotent)."""
