@@ -118,6 +118,59 @@ class Engine:
         return GenerateOutput(tokens[0] if single else tokens, stats,
                               (logits[0] if single else logits) if return_logits else None, secs)
 
+    # ---- interruptible sessions (gemini_jax.session) --------------------------------------
+    def start(self, prompt, params: SamplingParams | None = None, *, budget: int | None = None):
+        """A `Session` over `prompt`: iterate it for tokens; interrupt, snapshot, resume."""
+        from gemini_jax.session import Session
+
+        params = params or SamplingParams()
+        toks = self._check_request(prompt, params, "prompt")
+        sess = Session(self, params, budget=budget)
+        try:
+            sess.feed(toks)
+        except BaseException:
+            sess.close()
+            raise
+        sess.prompt_len = len(toks)
+        return sess
+
+    def resume(self, path: str, instruction_tokens=(), rewind_to: int | None = None, *,
+               params: SamplingParams | None = None, budget: int | None = None,
+               audit_log: str | None = None, instruction_text: str | None = None):
+        """Restore a snapshot, optionally rewind to `rewind_to` tokens, prefill the instruction,
+        and return the live Session. Every check (fingerprint, context, budget, token ids) runs
+        before any state changes; a refused resume leaves the engine as it was."""
+        from gemini_jax.session import audit
+        from gemini_jax.session.snapshot import restore_session
+
+        sess = restore_session(self, path, params=params, budget=budget)
+        try:
+            instr = (validate_tokens(instruction_tokens, self.model_cfg.vocab_size, "instruction")
+                     if len(instruction_tokens) else np.zeros(0, np.int32))
+            keep = sess.position if rewind_to is None else int(rewind_to)
+            if not 1 <= keep <= sess.position:
+                raise ValueError(f"rewind_to={rewind_to} must be in [1, {sess.position}].")
+            need = keep + len(instr) + sess.params.max_new_tokens
+            if need > self.config.max_seq_len:
+                raise ContextLengthError(
+                    f"resume: {keep} tokens kept + {len(instr)} instruction tokens + max_new_tokens="
+                    f"{sess.params.max_new_tokens} = {need} > max_seq_len={self.config.max_seq_len}.")
+            L = self.model_cfg.num_layers
+            cost = (L if rewind_to is not None else 0) + len(instr) * L
+            sess._charge(cost, "resume (rewind + instruction prefill)")
+            position = sess.position
+            if rewind_to is not None:
+                sess.rewind(keep)
+            if len(instr):
+                sess.feed(instr, what="instruction")
+        except BaseException:
+            sess.close()
+            raise
+        if audit_log:
+            audit.attach(sess, audit_log, snapshot=path, snapshot_hash=sess.snapshot_hash, position=position,
+                         rewind_to=rewind_to, instruction_tokens=instr, instruction_text=instruction_text)
+        return sess
+
     def score(self, prompts, continuations) -> GenerateOutput:
         """Teacher-forced log-probabilities of `continuations` after `prompts`, computed through
         the same prefill + decode path as generation (so cache, sparsity and tiers all apply).
@@ -247,11 +300,22 @@ class _PagedRunner:
         return logits, width, int(cache.page_reads)
 
     def prefill(self, row, toks):
+        """Add sequence `row` with prompt `toks` (reusing cached prefix pages); last logits."""
         e, sid = self.eng, self.ids[row]
         reused = e.kv.add_sequence(sid, toks)
         self.stats["prefill_tokens_reused"] += reused
+        return self._prefill_from(sid, np.asarray(toks, np.int32), reused)
+
+    def prefill_more(self, row, toks):
+        """Append `toks` to sequence `row` (an instruction after an interrupt); last logits."""
+        sid = self.ids[row]
+        have = np.asarray(self.eng.kv.seqs[sid].tokens, np.int32)
+        return self._prefill_from(sid, np.concatenate([have, np.asarray(toks, np.int32)]), len(have))
+
+    def _prefill_from(self, sid, toks, start):
+        e = self.eng
         logits = None
-        for padded, pos, n in e._prefill_chunks(toks, reused):
+        for padded, pos, n in e._prefill_chunks(toks, start):
             end = int(pos[0]) + n
             e.kv.reserve(sid, end)
             logits, _, _ = self._call([sid], padded[None], pos[None], [end], [n - 1])

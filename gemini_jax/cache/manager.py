@@ -133,6 +133,71 @@ class KVCacheManager:
         self.seqs[new_id] = new
         return copies
 
+    def truncate(self, seq_id: int, keep: int) -> list[PageCopy]:
+        """Keep the first `keep` tokens (rewind). Later pages are released; a partial last page
+        is replaced by a private copy, since it will be written again and may be shared or
+        registered as a cached full block."""
+        seq = self.seqs[seq_id]
+        if not 0 <= keep <= seq.num_tokens:
+            raise ValueError(f"keep={keep} must be in [0, {seq.num_tokens}].")
+        S = self.block_size
+        n_pages = -(-keep // S)
+        copies = []
+        if keep % S:
+            last = seq.pages[n_pages - 1]
+            dst = self.pool.allocate()
+            copies.append(PageCopy(last, dst))
+            if last != NULL_PAGE:
+                self.pool.release(last)
+            seq.pages[n_pages - 1] = dst
+        for p in seq.pages[n_pages:]:
+            if p != NULL_PAGE:
+                self.pool.release(p)
+        del seq.pages[n_pages:]
+        del seq.tokens[keep:]
+        del seq.hashes[keep // S:]
+        return copies
+
+    def restore_sequence(self, seq_id: int, tokens, null_pages=()) -> list[tuple[int, int]]:
+        """Recreate a sequence whose KV comes from elsewhere (a snapshot).
+
+        Full pages whose chained hash is cached are shared (branches of one snapshot share
+        pages); the others get fresh pages. Returns (logical index, physical page) pairs whose
+        data the caller must write.
+        """
+        if seq_id in self.seqs:
+            raise ValueError(f"sequence {seq_id} already exists.")
+        S = self.block_size
+        seq = SequenceKV()
+        self.seqs[seq_id] = seq
+        to_fill = []
+        prev = 0
+        try:
+            for i in range(-(-len(tokens) // S)):
+                chunk = tokens[i * S:(i + 1) * S]
+                full = len(chunk) == S
+                h = block_hash(prev, chunk) if full else None
+                if i in null_pages:
+                    seq.pages.append(NULL_PAGE)
+                elif full and self.prefix_caching and self.pool.cached(h) is not None:
+                    page = self.pool.cached(h)
+                    self.pool.acquire(page)
+                    seq.pages.append(page)
+                else:
+                    page = self.pool.allocate()
+                    seq.pages.append(page)
+                    to_fill.append((i, page))
+                    if full and self.prefix_caching:
+                        self.pool.register(page, h)
+                if full:
+                    seq.hashes.append(h)
+                    prev = h
+        except CacheExhausted:
+            self.free(seq_id)
+            raise
+        seq.tokens = [int(t) for t in tokens]
+        return to_fill
+
     def free(self, seq_id: int) -> None:
         seq = self.seqs.pop(seq_id)
         for p in seq.pages:

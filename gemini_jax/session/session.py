@@ -1,0 +1,171 @@
+"""Interruptible decoding: a `Session` yields tokens one by one and can stop at any boundary.
+
+State kept between tokens: the sequence's pages (KV of every token so far), the logits for the
+next token, and the sampler's position. Tokens are written eagerly (a token's KV is computed
+right after it is sampled), so at every boundary the state is complete: a snapshot taken there
+restores exactly, and a new instruction only needs its own tokens prefilled.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Optional
+
+import jax.numpy as jnp
+import numpy as np
+
+from gemini_jax.cache.paged import copy_pages
+from gemini_jax.config import SamplingParams
+from gemini_jax.errors import BudgetExceeded, ConfigError, ContextLengthError
+from gemini_jax.model import validate_tokens
+from gemini_jax.sampling import sample_with
+
+
+class Session:
+    """One sequence being decoded. Iterate for tokens; `interrupt()` from any thread stops
+    the iteration at the next token boundary; `snapshot(path)` saves it; `close()` frees it."""
+
+    def __init__(self, engine, params: SamplingParams, *, budget: Optional[int] = None, sample_index: int = 0):
+        from gemini_jax.engine import _PagedRunner, new_stats
+
+        if engine.kv is None:
+            raise ConfigError("sessions need the paged cache (EngineConfig.cache.kind='paged').")
+        self.engine = engine
+        self.params = params
+        self.budget = budget
+        self.sample_index = sample_index  # which sequence's PRNG stream the sampler draws from
+        self.stats = new_stats()
+        self._runner = _PagedRunner(engine, 1, self.stats)
+        self.seq_id = self._runner.ids[0]
+        self.prompt_len = 0
+        self.generated: list[int] = []
+        self.new_tokens = 0  # tokens generated since the last prompt/instruction
+        self.logits = None  # f32[1, V]: logits for the next token
+        self.finished = False
+        self._stop = threading.Event()
+        self._on_stop = []  # callbacks run once when iteration ends (audit records)
+
+    # ---- state ------------------------------------------------------------------------------
+    @property
+    def tokens(self) -> list[int]:
+        """Every token whose KV is in the cache (prompt, generated, instructions), in order."""
+        seq = self.engine.kv.seqs.get(self.seq_id)
+        return [] if seq is None else list(seq.tokens)
+
+    @property
+    def position(self) -> int:
+        seq = self.engine.kv.seqs.get(self.seq_id)
+        return 0 if seq is None else seq.num_tokens
+
+    @property
+    def compute_units(self) -> int:
+        return self.stats["compute_units"]
+
+    def _charge(self, units: int, what: str) -> None:
+        if self.budget is not None and self.compute_units + units > self.budget:
+            raise BudgetExceeded(
+                f"{what} needs {units} compute units; {self.compute_units} of the quota {self.budget} are "
+                f"used. Raise the budget or shorten the request.", partial=list(self.generated))
+
+    # ---- feeding tokens ---------------------------------------------------------------------
+    def _check_room(self, n_new: int, what: str) -> None:
+        need = self.position + n_new + self.params.max_new_tokens
+        limit = self.engine.config.max_seq_len
+        if need > limit:
+            raise ContextLengthError(
+                f"{what}: {self.position} tokens in the sequence + {n_new} new + max_new_tokens="
+                f"{self.params.max_new_tokens} = {need} > max_seq_len={limit}.")
+
+    def feed(self, tokens, *, what: str = "prompt") -> None:
+        """Prefill `tokens` after the current end (the prompt, or an instruction)."""
+        toks = validate_tokens(tokens, self.engine.model_cfg.vocab_size, what)
+        self._check_room(len(toks), what)
+        self._charge(len(toks) * self.engine.model_cfg.num_layers, what)
+        if self.seq_id in self.engine.kv.seqs:
+            self.logits = self._runner.prefill_more(0, toks)
+        else:  # the first prompt: a new sequence, sharing any cached prefix pages
+            self.logits = self._runner.prefill(0, toks)
+        self.new_tokens = 0
+        self.finished = False
+
+    def rewind(self, keep: int) -> None:
+        """Forget every token after the first `keep` (pages after it are released)."""
+        e = self.engine
+        if not 1 <= keep <= self.position:
+            raise ValueError(f"rewind_to={keep} must be in [1, {self.position}].")
+        tokens = self.tokens
+        copies = e.kv.truncate(self.seq_id, keep - 1)
+        if copies:
+            e.k_pool, e.v_pool, e.digests = copy_pages(
+                e.k_pool, e.v_pool, jnp.asarray([c.src for c in copies]), jnp.asarray([c.dst for c in copies]),
+                e.digests)
+        # Recompute the last kept token: its logits predict what follows (counted, see DCU).
+        self._charge(e.model_cfg.num_layers, "rewind")
+        self.logits = self._runner.prefill_more(0, np.asarray(tokens[keep - 1:keep], np.int32))
+        self.generated = [t for t in self.generated][:max(0, keep - self.prompt_len)]
+        self.new_tokens = 0
+        self.finished = False
+
+    # ---- iteration --------------------------------------------------------------------------
+    def interrupt(self) -> None:
+        """Stop at the next token boundary (safe from another thread or a signal handler)."""
+        self._stop.set()
+
+    @property
+    def interrupted(self) -> bool:
+        return self._stop.is_set()
+
+    def __iter__(self):
+        self._stop.clear()
+        return self
+
+    def __next__(self) -> int:
+        cfg = self.engine.model_cfg
+        if self._stop.is_set() or self.finished or self.new_tokens >= self.params.max_new_tokens:
+            self._stopped()
+            raise StopIteration
+        pos = self.position
+        if pos >= self.engine.config.max_seq_len:
+            self._stopped()
+            raise StopIteration
+        self._charge(cfg.num_layers, "decode step")
+        tok = int(np.asarray(sample_with(self.params, self.logits, [self.sample_index], [pos]))[0])
+        # Write the token's KV now, so every boundary is a complete state (see module doc).
+        self.logits = self._runner.decode(np.asarray([tok], np.int32), np.asarray([pos], np.int32))
+        self.stats["decode_steps"] += 1
+        self.stats["compute_units"] += cfg.num_layers
+        self.generated.append(tok)
+        self.new_tokens += 1
+        if self.params.stop_at_eos and cfg.eos_id is not None and tok == cfg.eos_id:
+            self.finished = True
+        return tok
+
+    def run(self) -> list[int]:
+        """Iterate to the end (or an interrupt); return the tokens produced by this run."""
+        return [t for t in self]
+
+    def _stopped(self) -> None:
+        callbacks, self._on_stop = self._on_stop, []
+        for cb in callbacks:
+            cb(self)
+
+    # ---- persistence ------------------------------------------------------------------------
+    def snapshot(self, path: str, *, include_kv: bool = True) -> str:
+        """Save the session with Orbax (atomically); returns the snapshot's content hash."""
+        from gemini_jax.session.snapshot import save_snapshot
+
+        return save_snapshot(self, path, include_kv=include_kv)
+
+    def close(self) -> None:
+        if self.seq_id in self.engine.kv.seqs:
+            self.engine.kv.free(self.seq_id)
+        if not getattr(self, "_closed", False):
+            for k, v in self.stats.items():
+                self.engine.stats[k] += v
+            self._closed = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

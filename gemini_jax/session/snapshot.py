@@ -1,0 +1,199 @@
+"""Decode snapshots with Orbax: arrays as arrays (KV pages, digests, next-token logits), metadata
+as JSON, no pickle. Written into a temporary directory, sealed with a content hash, then renamed
+into place, so a killed process leaves either the old snapshot or none, never a half one.
+
+Layout of a snapshot directory:
+    arrays/        Orbax checkpoint: k, v [layers, kv_heads, pages, block, head_dim], logits [V],
+                   digests (sparse engines)
+    meta.json      tokens, positions, sampling state, the engine/model fingerprint, array digests
+    SEALED         sha256 of meta.json; the snapshot's content hash (written last)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import time
+import uuid
+
+import jax.numpy as jnp
+import numpy as np
+
+from gemini_jax.cache.block_pool import NULL_PAGE
+from gemini_jax.config import SamplingParams
+from gemini_jax.errors import SnapshotError
+
+FORMAT = 1
+
+
+def _sha(a: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
+
+
+def weights_hash(engine) -> str:
+    """sha256 over every weight (computed once per engine)."""
+    if getattr(engine, "_weights_sha", None) is None:
+        import jax
+
+        h = hashlib.sha256()
+        for leaf in jax.tree.leaves(engine.params):
+            h.update(np.asarray(leaf).tobytes())
+        engine._weights_sha = h.hexdigest()
+    return engine._weights_sha
+
+
+def fingerprint(engine) -> dict:
+    """What must match for a snapshot to be valid on an engine: model, weights, KV layout."""
+    c = engine.config
+    return {
+        "model": json.loads(json.dumps(dataclasses.asdict(engine.model_cfg))),
+        "weights_sha256": weights_hash(engine),
+        "block_size": c.cache.block_size,
+        "cache_dtype": str(engine.cache_dtype),
+        "sparse": json.loads(json.dumps(dataclasses.asdict(c.sparse))),
+    }
+
+
+def _differences(a: dict, b: dict, prefix: str = "") -> list[str]:
+    out = []
+    for k in sorted(set(a) | set(b)):
+        x, y = a.get(k), b.get(k)
+        if isinstance(x, dict) and isinstance(y, dict):
+            out += _differences(x, y, f"{prefix}{k}.")
+        elif x != y:
+            out.append(f"{prefix}{k}: snapshot {x!r} != engine {y!r}")
+    return out
+
+
+def save_snapshot(sess, path: str, *, include_kv: bool = True) -> str:
+    from orbax import checkpoint as ocp
+
+    if not include_kv:
+        raise SnapshotError("include_kv=False (KV by reference to persisted pages) needs the disk tier, "
+                            "which this engine does not have; use include_kv=True.")
+    e = sess.engine
+    seq = e.kv.seqs[sess.seq_id]
+    pages = list(seq.pages)
+    null = [i for i, p in enumerate(pages) if p == NULL_PAGE]
+    idx = jnp.asarray(pages, jnp.int32)
+    arrays = {"k": np.asarray(e.k_pool[:, :, idx]), "v": np.asarray(e.v_pool[:, :, idx]),
+              "logits": np.asarray(sess.logits[0])}
+    if e.digests is not None:
+        arrays["digests"] = np.asarray(e.digests[:, :, idx])
+    meta = {
+        "format": FORMAT,
+        "created": time.time(),
+        "fingerprint": fingerprint(e),
+        "tokens": [int(t) for t in seq.tokens],
+        "prompt_len": sess.prompt_len,
+        "generated": [int(t) for t in sess.generated],
+        "new_tokens": sess.new_tokens,
+        "finished": sess.finished,
+        "null_pages": null,
+        "sampling": dataclasses.asdict(sess.params),
+        "sample_index": sess.sample_index,
+        "budget": sess.budget,
+        "compute_units": sess.compute_units,
+        "arrays_sha256": {k: _sha(v) for k, v in sorted(arrays.items())},
+    }
+    path = os.path.abspath(path)
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        ck = ocp.StandardCheckpointer()
+        ck.save(os.path.join(tmp, "arrays"), arrays)
+        ck.wait_until_finished()
+        ck.close()
+        blob = json.dumps(meta, sort_keys=True).encode()
+        with open(os.path.join(tmp, "meta.json"), "wb") as fh:
+            fh.write(blob)
+            fh.flush()
+            os.fsync(fh.fileno())
+        digest = hashlib.sha256(blob).hexdigest()
+        with open(os.path.join(tmp, "SEALED"), "w") as fh:
+            fh.write(digest)
+            fh.flush()
+            os.fsync(fh.fileno())
+        if os.path.exists(path):  # replace: move the old one aside first, then swap
+            old = f"{tmp}.old"
+            os.rename(path, old)
+            os.rename(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return digest
+
+
+def load_snapshot(path: str) -> tuple[dict, dict, str]:
+    """(meta, arrays, content hash) of a sealed snapshot, or SnapshotError saying what is wrong."""
+    from orbax import checkpoint as ocp
+
+    path = os.path.abspath(path)
+    if not os.path.isdir(path):
+        raise SnapshotError(f"no snapshot at {path!r}.")
+    try:
+        with open(os.path.join(path, "SEALED")) as fh:
+            sealed = fh.read().strip()
+        with open(os.path.join(path, "meta.json"), "rb") as fh:
+            blob = fh.read()
+    except FileNotFoundError as e:
+        raise SnapshotError(f"snapshot {path!r} is incomplete ({os.path.basename(e.filename)} missing): "
+                            f"it was not finished; take it again.") from None
+    if hashlib.sha256(blob).hexdigest() != sealed:
+        raise SnapshotError(f"snapshot {path!r}: meta.json does not match its seal (tampered or truncated).")
+    try:
+        meta = json.loads(blob)
+        arrays = ocp.StandardCheckpointer().restore(os.path.join(path, "arrays"))
+    except Exception as e:  # orbax/tensorstore raise many kinds on damaged files
+        raise SnapshotError(f"snapshot {path!r}: cannot read arrays ({type(e).__name__}: {e}).") from None
+    want = meta.get("arrays_sha256", {})
+    if set(want) != set(arrays):
+        raise SnapshotError(f"snapshot {path!r}: arrays {sorted(arrays)} != recorded {sorted(want)}.")
+    for k, v in arrays.items():
+        if _sha(np.asarray(v)) != want[k]:
+            raise SnapshotError(f"snapshot {path!r}: array {k!r} fails its checksum (tampered or corrupt).")
+    if meta.get("format") != FORMAT:
+        raise SnapshotError(f"snapshot {path!r} has format {meta.get('format')}, this version reads {FORMAT}.")
+    return meta, {k: np.asarray(v) for k, v in arrays.items()}, sealed
+
+
+def restore_session(engine, path: str, *, params: SamplingParams | None = None, budget=None):
+    """A live Session rebuilt from a snapshot on `engine` (fingerprint checked first)."""
+    from gemini_jax.session.session import Session
+
+    meta, arrays, digest = load_snapshot(path)
+    diffs = _differences(meta["fingerprint"], fingerprint(engine))
+    if diffs:
+        raise SnapshotError(f"snapshot {path!r} was taken on another model or config: " + "; ".join(diffs[:6]))
+    params = params or SamplingParams(**meta["sampling"])
+    sess = Session(engine, params, budget=budget if budget is not None else meta["budget"],
+                   sample_index=meta["sample_index"])
+    tokens = meta["tokens"]
+    if len(tokens) + params.max_new_tokens > engine.config.max_seq_len:
+        from gemini_jax.errors import ContextLengthError
+
+        raise ContextLengthError(f"snapshot holds {len(tokens)} tokens; + max_new_tokens={params.max_new_tokens} "
+                                 f"exceeds max_seq_len={engine.config.max_seq_len}.")
+    to_fill = engine.kv.restore_sequence(sess.seq_id, tokens, set(meta["null_pages"]))
+    if to_fill:
+        logical = jnp.asarray([i for i, _ in to_fill])
+        phys = jnp.asarray([p for _, p in to_fill])
+        engine.k_pool = engine.k_pool.at[:, :, phys].set(jnp.asarray(arrays["k"])[:, :, logical])
+        engine.v_pool = engine.v_pool.at[:, :, phys].set(jnp.asarray(arrays["v"])[:, :, logical])
+        if engine.digests is not None:
+            engine.digests = engine.digests.at[:, :, phys].set(jnp.asarray(arrays["digests"])[:, :, logical])
+    sess.logits = jnp.asarray(arrays["logits"])[None]
+    sess.prompt_len = meta["prompt_len"]
+    sess.generated = list(meta["generated"])
+    sess.new_tokens = meta["new_tokens"]
+    sess.finished = meta["finished"]
+    sess.stats["compute_units"] = meta["compute_units"]
+    sess.snapshot_hash = digest
+    return sess
