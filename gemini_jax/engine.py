@@ -163,6 +163,8 @@ class Engine:
                 sess.rewind(keep)
             if len(instr):
                 sess.feed(instr, what="instruction")
+            sess.new_tokens = 0  # a resume starts a new turn: max_new_tokens counts from here
+            sess.finished = False
         except BaseException:
             sess.close()
             raise

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import functools
 import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from tqdm import tqdm
 
 from benchlib.decode import DecodeHarness
 from benchlib.registry import Context, RowResult, row
-from benchlib.rows.common import llama
-from benchlib.rows.sparse_vs_dense import _close, peak_rss_gib
+from benchlib.rows.common import close_harnesses, llama, peak_rss_gib
 from benchlib.timing import fmt_ms, fmt_ratio, interleaved, md_table, median, ratio_stats
 from gemini_jax.attention.select import page_scores, select_pages
 from gemini_jax.config import SparseConfig
@@ -112,7 +109,7 @@ def sparse_select_share(ctx: Context) -> RowResult:
                     "peak_rss_gib": peak_rss_gib(), "steps_per_repeat": s["steps"], "repeats": s["repeats"],
                 })
             finally:
-                _close(h)
+                close_harnesses(h)
                 h = None
     table = []
     for r in records:
@@ -124,7 +121,13 @@ def sparse_select_share(ctx: Context) -> RowResult:
     md = md_table(["context", "block", "pages scored (table width)", "pages kept (k)",
                    "(a) sparse step", "(b) selection only", f"share b / a (goal ≤ {GOAL:.0%})"], table)
     md += (
-        f"\n\n**Method.** (a) is the sparse engine's real decode step (`runner.decode`, budget "
+        f"\n\n**Figures.** *Pages scored*: the block-table width of the step — every page of the "
+        f"sequence is scored from its digest in every layer and kv head, so the selection work grows "
+        f"linearly with context / block size; *pages kept*: the top-k = budget / block (sink and local "
+        f"pages included). *(a)* and *(b)*: median seconds per call; *share b / a*: the fraction of a "
+        f"sparse decode step that scoring + top-k costs (the rest: the QKV/O projections, MLPs and LM head, which stream the weights, "
+        f"the sparse attention over the kept pages, digest upkeep, host work).\n\n"
+        f"**Method.** (a) is the sparse engine's real decode step (`runner.decode`, budget "
         f"{s['budget']}, {s['digest']} digests, every layer sparse), as timed in `sparse_vs_dense`. (b) "
         f"re-does only the selection part of that step in a separate jitted function on the same arrays: "
         f"for each of the {cfg.num_layers} layers (a `lax.scan`, digests indexed by layer as in the "
