@@ -68,3 +68,18 @@ def test_score_matches_forward_and_perplexity_runs():
     out = perplexity(eng, 128, windows=2, scored=32, progress=False)
     assert 7.0 < out["bits_per_byte"] < 12  # a random model is near log2(259) bits
     assert 4.0 < unigram_bits_per_byte() < 6.0
+
+
+def test_digest_recall_is_exact_for_single_token_pages():
+    """With one key per page and one query head per kv head, a digest *is* the key, so the
+    digest ranking is the attention-mass ranking: recall must be 1. Coarser pages recall less."""
+    from gemini_jax.eval import digest_recall
+
+    rng = np.random.default_rng()
+    cfg = tiny_config("tiny", num_heads=2, num_kv_heads=2, head_dim=32)
+    model = random_model(cfg, int(rng.integers(100)))
+    toks = [int(x) for x in rng.integers(0, cfg.vocab_size, 120)]
+    exact = digest_recall(model, toks, block_size=1, k_pages=8, queries=3, sink_pages=1, local_pages=1)
+    assert exact == {"minmax": 1.0, "mean": 1.0}
+    coarse = digest_recall(model, toks, block_size=8, k_pages=3, queries=3)
+    assert all(0.0 <= v <= 1.0 for v in coarse.values())

@@ -20,14 +20,13 @@ def page_scores(kind: str, q, dig, group_reduce: str = "max"):
     mean:   q . mean. Scores are reduced over the chunk's queries (max) and the group's heads.
     """
     B, T, H, D = q.shape
-    K = dig.shape[1]
+    K, W, R = dig.shape[1], dig.shape[2], dig.shape[3]
     qg = q.reshape(B, T, K, H // K, D).astype(jnp.float32)
-    d = dig.astype(jnp.float32)
     if kind == "minmax":
-        s = (jnp.einsum("btkgd,bkwd->bkgtw", jnp.maximum(qg, 0), d[..., 1, :])
-             + jnp.einsum("btkgd,bkwd->bkgtw", jnp.minimum(qg, 0), d[..., 0, :]))
-    else:
-        s = jnp.einsum("btkgd,bkwd->bkgtw", qg, d[..., 0, :])
+        # [q-, q+] against the flattened [lo, hi] rows: one contraction, no copies of the digests.
+        qg = jnp.concatenate([jnp.minimum(qg, 0), jnp.maximum(qg, 0)], axis=-1)
+    flat = dig.reshape(B, K, W, R * D)
+    s = jnp.einsum("btkgd,bkwd->bkgtw", qg, flat, preferred_element_type=jnp.float32)
     s = jnp.max(s, axis=3)  # over the chunk's queries
     return jnp.max(s, axis=2) if group_reduce == "max" else jnp.mean(s, axis=2)
 
