@@ -1,0 +1,87 @@
+"""The unit the tiers move: one KV page of one layer, all kv heads.
+
+`PageKey` = (layer, page_id): page ids are the cache's page ids (`BlockPool`), which name a page
+wherever it lives. A page's data is k and v, each `[kv_heads, block_size, head_dim]` (one page of
+the device pool `[layers, kv_heads, pages, block_size, head_dim]` at [layer, :, page]); stores
+keep them stacked as `[2, kv_heads, block_size, head_dim]` (k first).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+from gemini_jax.errors import ConfigError
+
+PageKey = tuple[int, int]  # (layer, page_id)
+
+_NP_DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
+              "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class PageSpec:
+    """Shape of the page space a store serves: `num_layers` x `num_pages` pages of
+    `[kv_heads, block_size, head_dim]` in `dtype` ("float32" | "bfloat16" | "float16")."""
+
+    num_layers: int
+    num_pages: int
+    kv_heads: int
+    block_size: int
+    head_dim: int
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        for name in ("num_layers", "num_pages", "kv_heads", "block_size", "head_dim"):
+            v = getattr(self, name)
+            if not (isinstance(v, int) and v >= 1):
+                raise ConfigError(f"PageSpec.{name}={v!r} must be an integer >= 1.")
+        if self.dtype not in _NP_DTYPES:
+            raise ConfigError(f"PageSpec.dtype={self.dtype!r} must be one of {tuple(_NP_DTYPES)}.")
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        return _NP_DTYPES[self.dtype]
+
+    @property
+    def page_shape(self) -> tuple[int, int, int]:
+        """Shape of k (and of v): [kv_heads, block_size, head_dim]."""
+        return (self.kv_heads, self.block_size, self.head_dim)
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one (layer, page) unit, k and v together."""
+        return 2 * self.kv_heads * self.block_size * self.head_dim * self.np_dtype.itemsize
+
+    def check_key(self, key: PageKey) -> PageKey:
+        layer, page = int(key[0]), int(key[1])
+        if not (0 <= layer < self.num_layers and 0 <= page < self.num_pages):
+            raise KeyError(f"page key (layer={layer}, page={page}) outside layers [0, {self.num_layers}) "
+                           f"x pages [0, {self.num_pages}).")
+        return layer, page
+
+    def stack(self, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+        """k, v [kv_heads, block_size, head_dim] -> a fresh [2, kv_heads, block_size, head_dim] array
+        in the spec's dtype (a copy: the caller may reuse its buffers)."""
+        k, v = np.asarray(k), np.asarray(v)
+        if k.shape != self.page_shape or v.shape != self.page_shape:
+            raise ValueError(f"page k{k.shape} / v{v.shape} must both be {self.page_shape} "
+                             f"[kv_heads, block_size, head_dim].")
+        if k.dtype != self.np_dtype or v.dtype != self.np_dtype:
+            raise ValueError(f"page dtype k={k.dtype} v={v.dtype} must be {self.dtype} (the store's dtype); "
+                             f"cast before storing so round trips stay bit-exact.")
+        out = np.empty((2, *self.page_shape), self.np_dtype)
+        out[0], out[1] = k, v
+        return out
+
+
+def page_digest(key: PageKey, data: np.ndarray) -> bytes:
+    """16-byte blake2b of a page's bytes and its key, so a page stored at the wrong place fails
+    verification as surely as a page with flipped bits."""
+    h = hashlib.blake2b(digest_size=16, person=b"gj-kv-page")
+    h.update(int(key[0]).to_bytes(4, "little") + int(key[1]).to_bytes(8, "little"))
+    h.update(np.ascontiguousarray(data).view(np.uint8).data)
+    return h.digest()
