@@ -14,10 +14,11 @@ through `Engine.score`. It logs config, counters and metrics to wandb (offline u
 or `wandb.mode` says otherwise; WANDB_MODE wins) and writes one JSON, keyed by the swept value,
 into the sweep directory and into `<results_dir>/ablations/<experiment.name>/<sweep id>/`.
 
-NOTE prefetch: the tiered cache with predictive prefetch does not exist yet. A job accepts and
-records `experiment.prefetch_depth`, but unless the engine config has `tier.prefetch_depth` it is
-NOT applied: the JSON says `"prefetch": {"applied": false}`, the log warns, and the wandb run is
-tagged `prefetch-not-implemented`. Nothing is simulated.
+NOTE prefetch: the tiered cache with predictive prefetch is not in the engine yet. A job accepts
+and records `experiment.prefetch_depth`; it is applied only when the composed engine config has
+`tier.prefetch_depth` with the tier enabled. Otherwise it is NOT applied: the JSON says
+`"prefetch": {"applied": false}` with the reason, the log warns, the wandb run is tagged
+`prefetch-not-implemented`, and the report says so above its table. Nothing is simulated.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import gemini_jax as gj  # noqa: E402
+from gemini_jax import tiny  # noqa: E402
 from gemini_jax.config import EngineConfig, SamplingParams  # noqa: E402
 from gemini_jax.data import corpus, tasks  # noqa: E402
 from gemini_jax.hydra_schema import build, register  # noqa: E402
@@ -64,7 +66,7 @@ def _workload(cfg: DictConfig) -> dict:
             f"(conf/experiment/ablate_*.yaml).")
     w = {k: (float(v) if k == "needle_depth" else int(v)) for k, v in ex.workload.items()}
     for k, v in w.items():
-        if v < (0 if k == "needle_depth" else 1):
+        if k != "needle_depth" and v < 1:
             raise gj.errors.ConfigError(f"experiment.workload.{k}={v} must be >= 1.")
     if not 0.0 <= w["needle_depth"] <= 1.0:
         raise gj.errors.ConfigError(f"experiment.workload.needle_depth={w['needle_depth']} must be in [0, 1].")
@@ -85,8 +87,12 @@ def _engine_config(cfg: DictConfig, w: dict) -> tuple[EngineConfig, dict]:
     prefetch = {"depth": None if depth is None else int(depth), "applied": False, "note": ""}
     tier = data.get("tier")
     if depth is not None and isinstance(tier, dict) and "prefetch_depth" in tier:
-        tier["prefetch_depth"] = int(depth)  # the tiered cache exists: the knob is real
-        prefetch.update(applied=True, note=f"applied as engine.tier.prefetch_depth={int(depth)}")
+        tier["prefetch_depth"] = int(depth)  # the engine has a tiered cache: the knob is real ...
+        if tier.get("enabled", True):
+            prefetch.update(applied=True, note=f"applied as engine.tier.prefetch_depth={int(depth)}")
+        else:  # ... but with the tier off every page is device-resident and nothing is fetched
+            prefetch["note"] = (f"prefetch_depth={int(depth)} set but NOT APPLIED: engine.tier.enabled is "
+                                f"false (all pages device-resident); select a tiered config, e.g. tier=host.")
     elif depth is not None:
         prefetch["note"] = PREFETCH_NOTE.format(depth=int(depth))
     return build(EngineConfig, data), prefetch
@@ -95,8 +101,9 @@ def _engine_config(cfg: DictConfig, w: dict) -> tuple[EngineConfig, dict]:
 def _sweep_info(cfg: DictConfig) -> dict:
     hc = HydraConfig.get()
     knob = str(cfg.experiment.knob)
-    value = OmegaConf.select(cfg, knob, throw_on_missing=True)
-    if value is None and knob != "experiment.prefetch_depth":
+    absent = object()
+    value = OmegaConf.select(cfg, knob, default=absent, throw_on_missing=True)
+    if value is absent:
         raise gj.errors.ConfigError(f"experiment.knob={knob!r} is not a key of the composed config.")
     multirun = hc.mode == RunMode.MULTIRUN
     sweep_dir = hc.sweep.dir if multirun else hc.runtime.output_dir
@@ -252,7 +259,8 @@ def main(cfg: DictConfig) -> dict:
     if prefetch["depth"] is not None and not prefetch["applied"]:
         log.warning("NOTE: %s", prefetch["note"])
     model, tok, desc = load_model(cfg)
-    trained = bool(cfg.weights) or "RANDOM" not in desc
+    # load_model's order: HF weights, else the shipped tiny model, else a random init.
+    trained = bool(cfg.weights) or (model.cfg.family == "tiny" and tiny.available())
     log.info("model: %s", desc)
     eng = gj.Engine(model, ecfg)
     res = run_workload(eng, tok, w, int(cfg.seed), isinstance(tok, gj.ByteTokenizer))

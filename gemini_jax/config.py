@@ -239,6 +239,7 @@ class EngineConfig:
     attention_impl: str = "xla"
     cache: CacheConfig = field(default_factory=CacheConfig)
     sparse: SparseConfig = field(default_factory=SparseConfig)
+    mesh: Optional[dict] = None  # {data: D, model: M}: shard over D x M devices (None: one device)
 
     def __post_init__(self):
         if isinstance(self.cache, dict):
@@ -253,6 +254,8 @@ class EngineConfig:
                  f"prefill_chunk={self.prefill_chunk!r} must be a positive integer.")
         _require(self.attention_impl in ("xla", "pallas"),
                  f"attention_impl={self.attention_impl!r} must be 'xla' or 'pallas'.")
+        if self.mesh is not None:
+            object.__setattr__(self, "mesh", {str(k): int(v) for k, v in dict(self.mesh).items()})
         c = self.cache
         if c.kind == "paged" and c.num_pages is not None:
             need = -(-self.max_seq_len // c.block_size) + 1
@@ -270,6 +273,10 @@ class EngineConfig:
             _require(sp.budget // c.block_size <= self.num_pages - 1,
                      f"sparse.budget={sp.budget} selects {sp.budget // c.block_size} pages (top-k) but the "
                      f"pool has only {self.num_pages - 1}; lower the budget or raise cache.num_pages.")
+
+    def __hash__(self):  # the mesh dict is not hashable; everything else is
+        return hash((self.max_seq_len, self.max_batch, self.prefill_chunk, self.attention_impl, self.cache,
+                     self.sparse, tuple(sorted((self.mesh or {}).items()))))
 
     @property
     def pages_per_seq(self) -> int:

@@ -24,7 +24,7 @@ from gemini_jax.cache import ContiguousKV, contiguous_backend
 from gemini_jax.cache.manager import KVCacheManager
 from gemini_jax.cache.paged import PagedKV, copy_pages, paged_backend
 from gemini_jax.config import EngineConfig, SamplingParams
-from gemini_jax.errors import ContextLengthError
+from gemini_jax.errors import ConfigError, ContextLengthError
 from gemini_jax.model import Decoder, validate_tokens
 from gemini_jax.sampling import sample_with
 
@@ -82,8 +82,22 @@ class Engine:
                 self.digests = digests.create(sp.digest, model.cfg.num_layers, model.cfg.num_kv_heads,
                                               self.config.num_pages, model.cfg.head_dim, self.digest_dtype)
             backend = paged_backend(model.cfg, self.config.attention_impl, sp)
+            self.mesh = None
+            if self.config.mesh and self.config.mesh.get("data", 1) * self.config.mesh.get("model", 1) > 1:
+                from gemini_jax import distributed
+
+                self.mesh = distributed.make_mesh(self.config.mesh, model.cfg)
+                self.params = distributed.shard_params(self.params, self.mesh)
+                pool = distributed.pool_sharding(self.mesh)
+                self.k_pool = jax.device_put(self.k_pool, pool)
+                self.v_pool = jax.device_put(self.v_pool, pool)
+                if self.digests is not None:
+                    self.digests = jax.device_put(self.digests, pool)
         else:
+            if self.config.mesh and self.config.mesh.get("data", 1) * self.config.mesh.get("model", 1) > 1:
+                raise ConfigError("a device mesh needs the paged cache (cache.kind='paged').")
             self.kv = None
+            self.mesh = None
             backend = contiguous_backend(model.cfg)
         self._step = jax.jit(functools.partial(_run, self.graphdef, backend), donate_argnums=(1,))
 
@@ -296,8 +310,13 @@ class _PagedRunner:
         width = _table_width(max(len(e.kv.seqs[s].pages) for s in ids), e.config.pages_per_seq)
         cache = PagedKV(e.k_pool, e.v_pool, jnp.asarray(e.kv.block_tables(ids, width)),
                         jnp.asarray(lengths, jnp.int32), e.digests, jnp.zeros((), jnp.int32))
-        logits, cache = e._step(e.params, cache, jnp.asarray(tokens), jnp.asarray(positions),
-                                jnp.asarray(select, jnp.int32))
+        tokens, positions = jnp.asarray(tokens), jnp.asarray(positions)
+        if e.mesh is not None:  # the batch goes over the mesh's data axis (when it divides)
+            from gemini_jax.distributed import batch_sharding
+
+            sh = batch_sharding(e.mesh, tokens.shape[0], 2)
+            tokens, positions = jax.device_put(tokens, sh), jax.device_put(positions, sh)
+        logits, cache = e._step(e.params, cache, tokens, positions, jnp.asarray(select, jnp.int32))
         e.k_pool, e.v_pool, e.digests = cache.k, cache.v, cache.digests
         return logits, width, int(cache.page_reads)
 
@@ -357,11 +376,12 @@ class _PagedRunner:
 def _table_width(pages: int, cap: int) -> int:
     """Block-table width for a call: few distinct shapes (each compiles once) yet little padding.
 
-    Up to 64 pages: powers of two. Beyond: steps of 1/16 of the enclosing power of two (at most
-    ~12.5% padded pages read). Capped at the longest sequence the engine allows.
+    Up to 8 pages: powers of two. Beyond: steps of 1/8 of the enclosing power of two, so at most
+    ~12.5% of the pages read are padding, with 8 shapes per doubling. Capped at the longest
+    sequence the engine allows.
     """
     p2 = _pow2_at_least(pages)
-    step = p2 if p2 <= 64 else p2 // 16
+    step = p2 if p2 <= 8 else p2 // 8
     return min(-(-pages // step) * step, max(cap, pages))
 
 

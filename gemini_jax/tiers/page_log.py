@@ -72,6 +72,7 @@ class PageLog:
             kind, layer, page, digest = _BODY.unpack(body)
             key = (layer, page)
             if kind == INTENT:
+                self.committed.pop(key, None)
                 self.incomplete.add(key)
             elif kind == COMMIT:
                 self.incomplete.discard(key)

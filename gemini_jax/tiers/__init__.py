@@ -1,0 +1,24 @@
+"""KV pages below the device: host RAM and disk stores, device-slot residency, predictive
+prefetch, and a cost model that projects counted transfers onto hardware tiers (DESIGN.md §7).
+
+    spec  = PageSpec(num_layers=L, num_pages=P, kv_heads=K, block_size=S, head_dim=D, dtype="bfloat16")
+    stack = TierStack(spec, TierConfig(enabled=True, host_pages=4096, disk_path="/nvme/kv"))
+    stack.put((layer, page), k, v)                 # a full page goes down the tiers
+    slots = DeviceSlots(L, cfg.device_slots(P))    # which (layer, page) sits in which device slot
+    pre   = Prefetcher(stack, capacity=cfg.staging_pages, workers=cfg.io_workers)
+    page  = pre.get((layer, page))                 # staged hit, or a timed synchronous miss
+"""
+
+from gemini_jax.tiers.config import TierConfig
+from gemini_jax.tiers.cost_model import RunCounters, measure_disk, project, project_all
+from gemini_jax.tiers.errors import IncompletePage, PageMissing, TierError
+from gemini_jax.tiers.page import PageKey, PageSpec, page_digest
+from gemini_jax.tiers.prefetch import Predictor, Prefetcher
+from gemini_jax.tiers.residency import Admission, DeviceSlots, HotZone
+from gemini_jax.tiers.stores import DiskStore, Fetched, HostStore, TierStack
+
+__all__ = [
+    "Admission", "DeviceSlots", "DiskStore", "Fetched", "HostStore", "HotZone", "IncompletePage",
+    "PageKey", "PageMissing", "PageSpec", "Predictor", "Prefetcher", "RunCounters", "TierConfig",
+    "TierError", "TierStack", "measure_disk", "page_digest", "project", "project_all",
+]

@@ -1,0 +1,200 @@
+"""Predictive prefetch: `Predictor` guesses which (layer, page) units the next layers will read,
+`Prefetcher` fetches them from the tiers below into a staging buffer while the device computes.
+
+One decode step over tiers, layer by layer (DESIGN.md §7):
+
+    for layer in range(num_layers):
+        selected = ...                                    # on device, from digests
+        for a in slots.ensure(keys_of(selected)):         # residency.DeviceSlots
+            if not a.hit:                                 # hits are free
+                page = prefetcher.get(a.key)              # staged -> hit; else a timed stall
+                ...copy page.k / page.v into pool[layer, :, a.slot]
+        predictor.observe(layer, block_tables, selected, lengths)
+        prefetcher.schedule(k for k in predictor.predict(layer) if k not in slots)
+        ...attend(layer)
+
+The staging buffer is the second buffer of double buffering: fetches for layers ahead land
+there while the current layer reads the device pool.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Iterable, Optional, Protocol
+
+import numpy as np
+
+from gemini_jax.tiers.config import TierConfig
+from gemini_jax.tiers.page import PageKey
+from gemini_jax.tiers.stores import Fetched
+
+
+class PageSource(Protocol):
+    """What the prefetcher reads from (a `TierStack`)."""
+
+    def get(self, key: PageKey) -> Optional[Fetched]: ...
+
+
+class Predictor:
+    """Predict the keys of the next `prefetch_depth` layers from the previous step's selection.
+
+    For each layer it remembers the pages selected at its last visit, their neighbours (logical
+    page +/- 1, within the sequence) and the sequence's sink and local pages. While layer l
+    computes, layers l+1 .. l+depth (wrapping into the next step) will most likely read about
+    what they read last step.
+    """
+
+    def __init__(self, cfg: TierConfig, num_layers: int, *, block_size: int):
+        self.depth = cfg.prefetch_depth
+        self.sink, self.local = cfg.pin_sink_pages, cfg.pin_local_pages
+        self.num_layers = num_layers
+        self.block_size = block_size
+        self._last: list[list[int]] = [[] for _ in range(num_layers)]  # physical pages, by priority
+
+    def observe(self, layer: int, block_tables, selected, lengths) -> None:
+        """Record what `layer` read this step.
+
+        block_tables int[B, W] (physical page ids, 0 = null); selected int[B, k] or int[B, K, k]
+        (logical page ids per sequence (and kv head), -1 = padding; None = every page, i.e.
+        dense attention); lengths int[B] (tokens in the sequence).
+        """
+        bt = np.asarray(block_tables)
+        lengths = np.asarray(lengths)
+        first, second, third = [], [], []
+        for b in range(bt.shape[0]):
+            n_pages = -(-int(lengths[b]) // self.block_size)
+            if selected is None:
+                sel = np.arange(n_pages)
+            else:
+                s = np.asarray(selected[b]).ravel()
+                sel = np.unique(s[(s >= 0) & (s < n_pages)])
+            near = np.setdiff1d(np.concatenate([sel - 1, sel + 1]), sel)
+            near = near[(near >= 0) & (near < n_pages)]
+            fixed = np.concatenate([np.arange(min(self.sink, n_pages)),
+                                    np.arange(max(0, n_pages - self.local), n_pages)])
+            first.extend(bt[b, sel].tolist())
+            second.extend(bt[b, near].tolist())
+            third.extend(bt[b, fixed].tolist())
+        self._last[layer] = [p for p in dict.fromkeys(first + second + third) if p != 0]
+
+    def predict(self, layer: int) -> list[PageKey]:
+        """Keys to fetch while `layer` computes, nearest layer first (empty when depth is 0)."""
+        keys = []
+        for d in range(1, min(self.depth, self.num_layers) + 1):
+            nxt = (layer + d) % self.num_layers
+            keys.extend((nxt, p) for p in self._last[nxt])
+        return keys
+
+
+class Prefetcher:
+    """Asynchronous fetches from a `PageSource` into a bounded staging buffer.
+
+    `schedule(keys)` starts fetches (up to `capacity` pages staged or in flight); `take(key)`
+    returns a staged page that has arrived (a prefetch hit) or None; `fetch(key)` is the miss
+    path: it waits for an in-flight fetch of the key or reads it synchronously, and the wait is
+    counted as stall. `get(key)` = `take` or `fetch`. Counters: prefetch_hits, prefetch_misses,
+    prefetch_late (misses that were in flight), prefetch_wasted (staged, never taken),
+    pages_fetched_host, pages_fetched_disk, stall_seconds.
+    """
+
+    def __init__(self, source: PageSource, *, capacity: int = 256, workers: int = 4):
+        self.source = source
+        self.capacity = capacity
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="gj-prefetch")
+        self._staged: dict[PageKey, Future] = {}
+        self._lock = threading.Lock()
+        self.stats = {"prefetch_hits": 0, "prefetch_misses": 0, "prefetch_late": 0, "prefetch_wasted": 0,
+                      "prefetch_issued": 0, "pages_fetched_host": 0, "pages_fetched_disk": 0,
+                      "stall_seconds": 0.0}
+
+    def _read(self, key: PageKey) -> Optional[Fetched]:
+        page = self.source.get(key)
+        if page is not None:
+            with self._lock:
+                self.stats[f"pages_fetched_{page.tier}"] += 1
+        return page
+
+    def schedule(self, keys: Iterable[PageKey]) -> int:
+        """Start fetching `keys` not already staged; returns how many fetches were issued. When
+        the buffer is full the oldest arrived-but-untaken page is dropped (counted as wasted);
+        when every buffered page is still in flight, the remaining keys are skipped."""
+        issued = 0
+        for key in keys:
+            key = (int(key[0]), int(key[1]))
+            with self._lock:
+                if key in self._staged:
+                    continue
+                if len(self._staged) >= self.capacity:
+                    old = next((k for k, f in self._staged.items() if f.done()), None)
+                    if old is None:
+                        break
+                    del self._staged[old]
+                    self.stats["prefetch_wasted"] += 1
+                self._staged[key] = self._pool.submit(self._read, key)
+                self.stats["prefetch_issued"] += 1
+            issued += 1
+        return issued
+
+    def invalidate(self, key: PageKey) -> None:
+        """Forget a staged copy of `key` (its page was freed or rewritten)."""
+        with self._lock:
+            self._staged.pop((int(key[0]), int(key[1])), None)
+
+    def in_flight(self, key: PageKey) -> bool:
+        with self._lock:
+            fut = self._staged.get(key)
+        return fut is not None and not fut.done()
+
+    def take(self, key: PageKey) -> Optional[Fetched]:
+        """The staged page if its fetch has completed (counted as a hit), else None (nothing counted:
+        the caller goes on to `fetch`, which counts the miss)."""
+        key = (int(key[0]), int(key[1]))
+        with self._lock:
+            fut = self._staged.get(key)
+            if fut is None or not fut.done() or fut.exception() is not None or fut.result() is None:
+                return None  # a failed prefetch is retried by `fetch`, which raises properly
+            del self._staged[key]
+            self.stats["prefetch_hits"] += 1
+        return fut.result()
+
+    def fetch(self, key: PageKey) -> Optional[Fetched]:
+        """Miss path: wait for the key's in-flight fetch, or read it now. Counted as a miss; the
+        time spent here is stall. Returns what the source returns (None: recompute the page)."""
+        key = (int(key[0]), int(key[1]))
+        t0 = time.perf_counter()
+        with self._lock:
+            fut = self._staged.pop(key, None)
+            self.stats["prefetch_misses"] += 1
+            if fut is not None and not fut.done():
+                self.stats["prefetch_late"] += 1
+        try:
+            page = None
+            if fut is not None and fut.exception() is None:
+                page = fut.result()
+            if page is None:
+                page = self._read(key)
+            return page
+        finally:
+            with self._lock:
+                self.stats["stall_seconds"] += time.perf_counter() - t0
+
+    def get(self, key: PageKey) -> Optional[Fetched]:
+        """A page the device needs now: a staged hit, or a (timed) miss."""
+        page = self.take(key)
+        return page if page is not None else self.fetch(key)
+
+    def drain(self) -> None:
+        """Wait for every fetch in flight (tests, end of a run)."""
+        with self._lock:
+            futs = list(self._staged.values())
+        for f in futs:
+            f.exception()
+
+    def hit_rate(self) -> float:
+        n = self.stats["prefetch_hits"] + self.stats["prefetch_misses"]
+        return self.stats["prefetch_hits"] / n if n else 0.0
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
