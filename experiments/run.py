@@ -15,6 +15,7 @@ import os
 import time
 
 import hydra
+import jax
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
@@ -144,6 +145,12 @@ def main(cfg: DictConfig) -> None:
     os.environ.setdefault("WANDB_MODE", cfg.wandb.mode)
     import wandb
 
+    if cfg.get("distributed", False):
+        from gemini_jax.distributed import initialize_from_env
+
+        joined = initialize_from_env()
+        print(f"jax.distributed: {'joined a multi-host job' if joined else 'single process (no coordinator in env)'}; "
+              f"{jax.process_count()} process(es), {jax.device_count()} device(s)")
     hw = build(HardwareConfig, cfg.hardware)
     name = cfg.experiment.name
     if name not in EXPERIMENTS:

@@ -239,7 +239,8 @@ class EngineConfig:
     attention_impl: str = "xla"
     cache: CacheConfig = field(default_factory=CacheConfig)
     sparse: SparseConfig = field(default_factory=SparseConfig)
-    mesh: Optional[dict] = None  # {data: D, model: M}: shard over D x M devices (None: one device)
+    # {data: D, model: M}: shard over D x M devices (1 x 1: one device, no sharding)
+    mesh: dict = field(default_factory=lambda: {"data": 1, "model": 1})
 
     def __post_init__(self):
         if isinstance(self.cache, dict):
@@ -254,8 +255,7 @@ class EngineConfig:
                  f"prefill_chunk={self.prefill_chunk!r} must be a positive integer.")
         _require(self.attention_impl in ("xla", "pallas"),
                  f"attention_impl={self.attention_impl!r} must be 'xla' or 'pallas'.")
-        if self.mesh is not None:
-            object.__setattr__(self, "mesh", {str(k): int(v) for k, v in dict(self.mesh).items()})
+        object.__setattr__(self, "mesh", {str(k): int(v) for k, v in dict(self.mesh or {}).items()})
         c = self.cache
         if c.kind == "paged" and c.num_pages is not None:
             need = -(-self.max_seq_len // c.block_size) + 1
