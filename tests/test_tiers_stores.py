@@ -4,13 +4,11 @@ crash-incomplete pages never served, unwritable / full disks failing clearly whi
 from __future__ import annotations
 
 import os
-import resource
 import signal
 import subprocess
 import sys
 import textwrap
 import time
-import uuid
 
 import numpy as np
 import pytest
@@ -119,6 +117,22 @@ def test_disk_round_trip_and_reopen(tmp_path, layout, dtype):
             assert_page(disk.get_async(key).result(), want)
         with pytest.raises(PageMissing, match="never stored"):
             disk.get((0, 39) if (0, 39) not in pages else (0, 38))
+
+
+def test_disk_back_pressure_and_shape_checks(tmp_path):
+    rng = np.random.default_rng(12)
+    pages = {(l, p): rand_page(rng) for l in range(3) for p in range(1, 30)}
+    with DiskStore(str(tmp_path / "kv"), SPEC, max_pending=2, write_batch=1) as disk:
+        for key, page in pages.items():  # puts wait for the writer instead of piling up
+            disk.put(key, *page)
+            assert len(disk._queue) <= 2
+        disk.flush()
+        for key, want in pages.items():
+            assert_page(disk.get(key), want)
+        with pytest.raises(ValueError, match=r"\(2, 2, 16, 32\)"):
+            disk.put_stacked((0, 1), np.zeros((2, 16, 32), np.float32))  # would broadcast silently
+        with pytest.raises(ValueError, match="float32"):
+            disk.put_stacked((0, 1), np.zeros((2, 2, 16, 32), np.float64))
 
 
 def test_disk_refuses_other_layout(tmp_path):

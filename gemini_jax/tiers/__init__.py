@@ -15,7 +15,8 @@ from gemini_jax.tiers.errors import IncompletePage, PageMissing, TierError
 from gemini_jax.tiers.page import PageKey, PageSpec, page_digest
 from gemini_jax.tiers.prefetch import Predictor, Prefetcher
 from gemini_jax.tiers.residency import Admission, DeviceSlots, HotZone
-from gemini_jax.tiers.stores import DiskStore, Fetched, HostStore, TierStack
+from gemini_jax.tiers.stack import Fetched, TierStack
+from gemini_jax.tiers.stores import DiskStore, HostStore
 
 __all__ = [
     "Admission", "DeviceSlots", "DiskStore", "Fetched", "HostStore", "HotZone", "IncompletePage",

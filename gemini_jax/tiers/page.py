@@ -78,6 +78,15 @@ class PageSpec:
         return out
 
 
+    def check_stacked(self, data: np.ndarray) -> np.ndarray:
+        """Refuse a stacked page of the wrong shape or dtype (numpy would broadcast it silently)."""
+        want = (2, *self.page_shape)
+        if getattr(data, "shape", None) != want or data.dtype != self.np_dtype:
+            raise ValueError(f"stacked page {getattr(data, 'shape', None)} {getattr(data, 'dtype', None)} must be "
+                             f"{want} [k/v, kv_heads, block_size, head_dim] of {self.dtype}.")
+        return data
+
+
 def page_digest(key: PageKey, data: np.ndarray) -> bytes:
     """16-byte blake2b of a page's bytes and its key, so a page stored at the wrong place fails
     verification as surely as a page with flipped bits."""

@@ -28,7 +28,7 @@ import numpy as np
 
 from gemini_jax.tiers.config import TierConfig
 from gemini_jax.tiers.page import PageKey
-from gemini_jax.tiers.stores import Fetched
+from gemini_jax.tiers.stack import Fetched
 
 
 class PageSource(Protocol):

@@ -1,9 +1,6 @@
-"""Page stores below the device: `HostStore` (numpy RAM pool), `DiskStore` (tensorstore zarr3),
-and `TierStack`, which chains them under a `TierConfig` (write policy, corrupt-page policy).
-
-Contract with the caller (the engine): a page is `put` below once it is full (and again if it
-is ever rewritten), so evicting it from a device slot never needs a copy; a page freed by the
-cache is `discard`ed. Every `get` returns copies: the caller owns them.
+"""Page stores below the device: `HostStore` (a numpy pool in RAM) and `DiskStore` (tensorstore
+zarr3 on the local file system). `gemini_jax.tiers.stack.TierStack` chains them. Every `get`
+returns copies: the caller owns them.
 """
 
 from __future__ import annotations
@@ -13,14 +10,12 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import numpy as np
 import tensorstore as ts
 
 from gemini_jax.errors import CacheExhausted, IntegrityError
-from gemini_jax.tiers.config import TierConfig
 from gemini_jax.tiers.errors import IncompletePage, PageMissing, TierError
 from gemini_jax.tiers.page import PageKey, PageSpec, page_digest
 from gemini_jax.tiers.page_log import PageLog
@@ -74,6 +69,7 @@ class HostStore:
     def put_stacked(self, key: PageKey, data: np.ndarray, *, dirty: bool = True) -> None:
         """`put` of an already stacked [2, kv_heads, block_size, head_dim] page."""
         key = self.spec.check_key(key)
+        self.spec.check_stacked(data)
         with self._lock:
             slot = self._slot.get(key)
             if slot is None:
@@ -180,17 +176,20 @@ class DiskStore:
     """
 
     def __init__(self, path: str, spec: PageSpec, *, layout: str = "chunked", shard_pages: int = 64,
-                 fsync: bool = False, io_workers: int = 4, write_batch: int = 64):
+                 fsync: bool = False, io_workers: int = 4, write_batch: int = 64, max_pending: int = 1024,
+                 cache_bytes: Optional[int] = None):
         if layout not in ("chunked", "sharded"):
             raise ValueError(f"layout={layout!r} must be 'chunked' or 'sharded'.")
         self.path, self.spec, self.layout = os.path.abspath(path), spec, layout
-        self.write_batch = write_batch
+        self.write_batch, self.max_pending = write_batch, max_pending
         try:
             os.makedirs(self.path, exist_ok=True)
         except OSError as e:
             raise TierError(f"cannot create the disk tier directory {self.path!r}: {e.strerror} "
                             f"(errno {e.errno}); choose a writable tier.disk_path.") from e
-        context = {"cache_pool": {"total_bytes_limit": 0}, "file_io_sync": bool(fsync),
+        if cache_bytes is None:  # sharded reads need the shard index: keep recent ones in memory
+            cache_bytes = 0 if layout == "chunked" else 8 * 2**20
+        context = {"cache_pool": {"total_bytes_limit": int(cache_bytes)}, "file_io_sync": bool(fsync),
                    "file_io_concurrency": {"limit": max(4, io_workers)}}
         ts_spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": os.path.join(self.path, "kv.zarr")},
                    "metadata": _zarr_metadata(spec, layout, shard_pages), "context": context}
@@ -241,9 +240,14 @@ class DiskStore:
 
     def put_stacked(self, key: PageKey, data: np.ndarray) -> None:
         """Queue an asynchronous write of a [2, kv_heads, block_size, head_dim] page (not copied:
-        the caller hands it over). Raises TierError if an earlier write failed."""
+        the caller hands it over). Blocks while `max_pending` pages wait for the disk (back
+        pressure bounds the memory of the pending buffer). Raises TierError if an earlier write
+        failed."""
         key = self.spec.check_key(key)
+        self.spec.check_stacked(data)
         with self._lock:
+            while len(self._queue) >= self.max_pending and self._failure is None and key not in self._queue:
+                self._lock.wait()
             self._raise_failure()
             if self._closed:
                 raise TierError(f"the disk tier at {self.path!r} is closed.")
@@ -281,6 +285,7 @@ class DiskStore:
                     gen, data = self._pending[key]
                     batch.append((key, gen, data))
                 self._in_flight = len(batch)
+                self._lock.notify_all()  # room in the queue for blocked puts
             try:
                 self._write_batch(batch)
             except Exception as e:  # noqa: BLE001 - any failure disables writes, never the thread
@@ -373,104 +378,6 @@ class DiskStore:
             self._writer.join()
             self._readers.shutdown(wait=True)
             self._log.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-
-# ---- the stack ---------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Fetched:
-    """A page read from a tier below the device; `tier` is "host" or "disk"."""
-
-    k: np.ndarray  # [kv_heads, block_size, head_dim]
-    v: np.ndarray
-    tier: str
-
-
-class TierStack:
-    """Host RAM over an optional disk tier, run by a `TierConfig`.
-
-    write_through: `put` stores the page in host RAM (clean) and queues its disk write at once.
-    write_back: `put` stores it in host RAM (dirty); it reaches disk when the host evicts it.
-    A page read from disk is promoted into host RAM. With `on_corrupt="recompute"`, `get`
-    returns None for a page that failed its checksum or is incomplete instead of raising (and
-    counts it in `corrupt_pages`); the caller recomputes it and `put`s it again.
-    """
-
-    def __init__(self, spec: PageSpec, cfg: TierConfig):
-        self.spec, self.cfg = spec, cfg
-        self.disk: Optional[DiskStore] = None
-        if cfg.disk_path is not None:
-            self.disk = DiskStore(cfg.disk_path, spec, layout=cfg.disk_layout, shard_pages=cfg.shard_pages,
-                                  fsync=cfg.disk_fsync, io_workers=cfg.io_workers)
-        self.host = HostStore(spec, cfg.host_pages, spill=self._spill if self.disk is not None else None)
-        self._readers = ThreadPoolExecutor(cfg.io_workers, thread_name_prefix="gj-tier-read")
-        self.corrupt_pages = 0
-
-    def _spill(self, key: PageKey, data: np.ndarray) -> None:
-        self.disk.put_stacked(key, data)
-
-    def put(self, key: PageKey, k: np.ndarray, v: np.ndarray) -> None:
-        """Store a full page below the device. Raises TierError when the disk tier has failed
-        (the page is then kept in host RAM, dirty, and still served)."""
-        data = self.spec.stack(k, v)
-        if self.disk is None or self.cfg.write_policy == "write_back":
-            self.host.put_stacked(key, data, dirty=True)
-            return
-        try:
-            self.disk.put_stacked(key, data.copy())
-        except TierError:
-            self.host.put_stacked(key, data, dirty=True)
-            raise
-        self.host.put_stacked(key, data, dirty=False)
-
-    def tier_of(self, key: PageKey) -> Optional[str]:
-        """"host", "disk" or None (not stored below the device)."""
-        if key in self.host:
-            return "host"
-        if self.disk is not None and self.disk.contains(key):
-            return "disk"
-        return None
-
-    def get(self, key: PageKey) -> Optional[Fetched]:
-        """The page from the fastest tier holding it. Raises PageMissing if no tier does."""
-        page = self.host.get(key)
-        if page is not None:
-            return Fetched(page[0], page[1], "host")
-        if self.disk is None:
-            raise PageMissing(f"page (layer={key[0]}, page={key[1]}) is in no tier below the device.")
-        try:
-            k, v = self.disk.get(key)
-        except IntegrityError:
-            if self.cfg.on_corrupt == "raise":
-                raise
-            self.corrupt_pages += 1
-            return None
-        try:
-            self.host.put(key, k, v, dirty=False)
-        except (TierError, CacheExhausted):
-            pass  # no room above: serve it without promoting
-        return Fetched(k, v, "disk")
-
-    def get_async(self, key: PageKey) -> "Future[Optional[Fetched]]":
-        return self._readers.submit(self.get, key)
-
-    def discard(self, key: PageKey) -> None:
-        """Forget a freed page in host RAM (its disk copy is overwritten when the id is reused)."""
-        self.host.discard(key)
-
-    def flush(self) -> None:
-        if self.disk is not None:
-            self.disk.flush()
-
-    def close(self) -> None:
-        self._readers.shutdown(wait=True)
-        if self.disk is not None:
-            self.disk.close()
 
     def __enter__(self):
         return self
