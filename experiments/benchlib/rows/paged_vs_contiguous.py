@@ -33,9 +33,9 @@ def measure_decode_steps(ctx: Context) -> list[dict]:
         variants = {"contiguous": dict(kind="contiguous", context=context)}
         for bs in s["block_sizes"]:
             variants[f"paged bs={bs}"] = dict(kind="paged", block_size=bs, context=context)
-        # Diagnostic: the engine pads block tables to a power-of-two number of pages, so a context
-        # just past a power of two reads up to 2x the KV. The same paged engine with `slack` fewer
-        # tokens stays under the power of two for all its steps: comparing the two isolates the padding.
+        # Diagnostic: the engine pads block tables to a few fixed widths (<= 12.5% padding), so a
+        # context just past one reads a little more KV. The same paged engine with `slack` fewer
+        # tokens stays under it for all its steps: comparing the two isolates the padding.
         bs0 = s["block_sizes"][0]
         slack = -(-new_tokens // bs0) * bs0
         variants[f"paged bs={bs0}, context−{slack} (diagnostic)"] = dict(
@@ -77,7 +77,7 @@ def measure_decode_steps(ctx: Context) -> list[dict]:
     "`Engine._step` + a host argmax); attention cost does not depend on the values. Each repeat runs "
     f"every variant for a few consecutive steps, interleaved; headline = median over repeats of "
     f"paged/contiguous (goal ≤ {GOAL}×). A diagnostic line runs the paged engine with a few pages "
-    "less context, so its block table is not rounded up past a power of two."))
+    "less context, so its block table is not rounded up past a width step."))
 def paged_vs_contiguous(ctx: Context) -> RowResult:
     recs = ctx.shared("decode_steps", lambda: measure_decode_steps(ctx))
     s = _sizes(ctx)
@@ -94,8 +94,8 @@ def paged_vs_contiguous(ctx: Context) -> RowResult:
            f"within each repeat, order rotated); ratio = median of per-repeat ratios (min–max in "
            f"parentheses). 'KV positions read / context' comes from the engine's `kv_bytes_read` "
            f"counter: contiguous attends over its whole `max_seq_len` buffer, paged over its block-table "
-           f"width (pages rounded up to a power of two) × block_size. The diagnostic line is the "
-           f"same paged engine holding a few pages fewer, so its block table stays at a power of two "
+           f"width (pages rounded up to a width step, <= 12.5% padding) × block_size. The diagnostic line "
+           f"is the same paged engine holding a few pages fewer, so its block table stays at one width "
            f"for every timed step: the gap between it and `paged bs={s['block_sizes'][0]}` is the cost "
            f"of that rounding.")
     return RowResult(records=recs, markdown=md)
