@@ -142,9 +142,16 @@ def _greedy_32_matches_transformers(family, hf, model):
     chosen = ref[np.arange(32), ours]
     assert np.all(ref.max(-1) - chosen <= 1e-4 * np.abs(ref).max()), f"{family}: not greedy under HF logits"
     if ours != theirs:
-        first = next(i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b)
-        gap = ref[first, theirs[first]] - ref[first, ours[first]]
-        assert abs(gap) <= 1e-4 * np.abs(ref).max(), f"{family}: diverged at {first} without a tie"
+        # transformers' generate may itself depart from its forward pass (Gemma 2's hybrid cache
+        # computes the step differently); only where its tokens are greedy under its own forward
+        # logits is it a reference our tokens must equal (up to near-ties).
+        ref_t = _theirs(hf, np.asarray([list(prompt) + theirs]))[0, len(prompt) - 1:-1]
+        tol = 1e-4 * np.abs(ref_t).max()
+        consistent = np.all(ref_t.max(-1) - ref_t[np.arange(32), theirs] <= tol)
+        if consistent:
+            first = next(i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b)
+            gap = ref[first, ours[first]] - ref[first, theirs[first]]
+            assert abs(gap) <= tol, f"{family}: diverged from transformers at {first} without a tie"
 
 
 def test_sharded_checkpoint_layout(tmp_path):
