@@ -111,10 +111,11 @@ def repeat_example(text: np.ndarray, length: int, rng: np.random.Generator):
     """A text window in which a random span reappears at a random later offset.
 
     Predicting the copy needs content-based lookup (an induction head), not a fixed offset.
+    Spans are long (up to half the window) so the signal for learning that lookup is strong.
     """
     toks, w = lm_example(text, length, rng)
-    span = int(rng.integers(16, max(17, min(256, length // 4))))
-    src = int(rng.integers(1, length - 2 * span))
+    span = int(rng.integers(16, max(17, length // 2)))
+    src = int(rng.integers(1, length - 2 * span + 1))
     dst = int(rng.integers(src + span, length - span + 1))
     toks[dst:dst + span] = toks[src:src + span].copy()
     return toks, w
