@@ -98,6 +98,14 @@ def _engine_config(cfg: DictConfig, w: dict) -> tuple[EngineConfig, dict]:
     return build(EngineConfig, data), prefetch
 
 
+def _rel(path):
+    """Paths inside the repository are recorded relative to it (results are committed)."""
+    if path is None:
+        return None
+    path = os.path.abspath(path)
+    return os.path.relpath(path, ROOT) if path.startswith(ROOT + os.sep) else path
+
+
 def _sweep_info(cfg: DictConfig) -> dict:
     hc = HydraConfig.get()
     knob = str(cfg.experiment.knob)
@@ -110,8 +118,8 @@ def _sweep_info(cfg: DictConfig) -> dict:
     sweep_dir = os.path.abspath(sweep_dir)
     return {"name": str(cfg.experiment.name), "knob": knob, "value": value,
             "key": f"{knob.rsplit('.', 1)[-1]}={value}", "id": os.path.basename(sweep_dir.rstrip(os.sep)),
-            "dir": sweep_dir, "multirun": multirun, "job_num": hc.job.num if multirun else 0,
-            "job_dir": os.path.abspath(hc.runtime.output_dir), "overrides": list(hc.overrides.task)}
+            "dir": _rel(sweep_dir), "multirun": multirun, "job_num": hc.job.num if multirun else 0,
+            "job_dir": _rel(hc.runtime.output_dir), "overrides": list(hc.overrides.task)}
 
 
 # ---- workload -------------------------------------------------------------------------------
@@ -226,15 +234,15 @@ def log_wandb(cfg: DictConfig, record: dict) -> dict:
     flat[sw["knob"]] = sw["value"]
     run.log(flat)
     run.summary.update({"prefetch_applied": pf["applied"], "model_trained": record["model"]["trained"]})
-    info = {"mode": mode, "dir": wandb_dir, "run_id": run.id,
-            "run_dir": getattr(run, "dir", None)}
+    info = {"mode": mode, "dir": _rel(wandb_dir), "run_id": run.id,
+            "run_dir": _rel(getattr(run, "dir", None))}
     run.finish()
     return info
 
 
 def write_json(record: dict, cfg: DictConfig) -> list[str]:
     sw = record["sweep"]
-    out_dirs = [sw["dir"], os.path.join(ROOT, cfg.results_dir, "ablations", sw["name"], sw["id"])]
+    out_dirs = [os.path.join(ROOT, sw["dir"]), os.path.join(ROOT, cfg.results_dir, "ablations", sw["name"], sw["id"])]
     paths = []
     for d in out_dirs:
         os.makedirs(d, exist_ok=True)

@@ -104,6 +104,13 @@ def notes(records: list[dict]) -> list[str]:
     return out
 
 
+def _shown(path: str) -> str:
+    """A path as it reads in a committed report: relative to the repository when inside it."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.path.abspath(path)
+    return os.path.relpath(path, root) if path.startswith(root + os.sep) else path
+
+
 def markdown(records: list[dict], sweep_dir: str, pngs: dict) -> str:
     sw = records[0]["sweep"]
     cols = METRICS + EXTRA_COLUMNS
@@ -114,7 +121,7 @@ def markdown(records: list[dict], sweep_dir: str, pngs: dict) -> str:
     lines = [f"# Ablation `{sw['name']}` — sweep `{sw['id']}`", "",
              f"{len(records)} job(s) over `{sw['knob']}`; hardware `{records[0].get('hardware')}`, jax "
              f"{records[0].get('versions', {}).get('jax')} ({records[0].get('versions', {}).get('backend')}). "
-             f"Source: `{sweep_dir}`.", ""]
+             f"Source: `{_shown(sweep_dir)}`.", ""]
     lines += [f"- {n}" for n in notes(records)]
     lines += ["", head, sep, *rows, ""]
     lines += [f"![{label}]({os.path.basename(pngs[k])})" for k, label, _ in METRICS if k in pngs]
