@@ -279,6 +279,11 @@ class EngineConfig:
                      self.sparse, tuple(sorted((self.mesh or {}).items()))))
 
     @property
+    def mesh_devices(self) -> int:
+        """Devices the mesh spans (1: no sharding)."""
+        return self.mesh.get("data", 1) * self.mesh.get("model", 1)
+
+    @property
     def pages_per_seq(self) -> int:
         return -(-self.max_seq_len // self.cache.block_size)
 

@@ -83,7 +83,7 @@ class Engine:
                                               self.config.num_pages, model.cfg.head_dim, self.digest_dtype)
             backend = paged_backend(model.cfg, self.config.attention_impl, sp)
             self.mesh = None
-            if self.config.mesh and self.config.mesh.get("data", 1) * self.config.mesh.get("model", 1) > 1:
+            if self.config.mesh_devices > 1:
                 from gemini_jax import distributed
 
                 self.mesh = distributed.make_mesh(self.config.mesh, model.cfg)
@@ -94,7 +94,7 @@ class Engine:
                 if self.digests is not None:
                     self.digests = jax.device_put(self.digests, pool)
         else:
-            if self.config.mesh and self.config.mesh.get("data", 1) * self.config.mesh.get("model", 1) > 1:
+            if self.config.mesh_devices > 1:
                 raise ConfigError("a device mesh needs the paged cache (cache.kind='paged').")
             self.kv = None
             self.mesh = None
@@ -318,7 +318,7 @@ class _PagedRunner:
             tokens, positions = jax.device_put(tokens, sh), jax.device_put(positions, sh)
         logits, cache = e._step(e.params, cache, tokens, positions, jnp.asarray(select, jnp.int32))
         e.k_pool, e.v_pool, e.digests = cache.k, cache.v, cache.digests
-        return logits, width, int(cache.page_reads)
+        return logits, width, cache.page_reads  # a device scalar: read (synced) by decode only
 
     def prefill(self, row, toks):
         """Add sequence `row` with prompt `toks` (reusing cached prefix pages); last logits."""
@@ -352,6 +352,7 @@ class _PagedRunner:
             e.kv.reserve(sid, int(n) + 1)
         logits, width, page_reads = self._call(self.ids, nxt[:, None], lengths[:, None], lengths + 1,
                                                np.zeros(len(self.ids)))
+        page_reads = int(page_reads)
         for sid, t in zip(self.ids, nxt):
             e.kv.commit(sid, [int(t)])
             e.kv.drop_outside_window(sid, self.window)

@@ -103,9 +103,6 @@ def test_selection_is_exact_top_k():
                 valid = list(range(lp + 1))
                 forced = [w for w in valid if w < sink or w >= lp - local + 1]
                 rest = sorted((w for w in valid if w not in forced), key=lambda w: -scores[b, h, w])
-                want = sorted(forced + rest)[:0] or sorted((forced + rest)[:min(k, W)])
-                if len(forced) >= min(k, W):
-                    want = sorted(forced)[:min(k, W)] if len(forced) > min(k, W) else sorted(forced)
                 sel = [int(x) for x in got[b, h] if x >= 0]
                 if len(forced) <= min(k, W):
                     assert sel == sorted(forced + rest[:min(k, W) - len(forced)]), (b, h)

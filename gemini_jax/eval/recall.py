@@ -16,14 +16,16 @@ import numpy as np
 
 from gemini_jax.attention.digests import page_digest
 from gemini_jax.attention.select import page_scores
-from gemini_jax.model import layers as L
+from gemini_jax.model import self_attention_backend
 
 
 def _probe_backend(cfg):
+    """The no-cache backend, also recording each layer's q and k into the carried cache."""
+    attend_self = self_attention_backend(cfg)
+
     def attend(layer, q, k, v, q_pos, window, cache):
         cache = {"q": cache["q"].at[layer].set(q), "k": cache["k"].at[layer].set(k)}
-        mask = L.attention_mask(q_pos, q_pos, jnp.ones(q_pos.shape, bool), window)
-        return L.dense_attention(q, k, v, mask, scale=cfg.scale, cap=cfg.attn_softcap), cache
+        return attend_self(layer, q, k, v, q_pos, window, cache)
 
     return attend
 

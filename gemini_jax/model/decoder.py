@@ -113,8 +113,9 @@ class Decoder(nnx.Module):
             h = h * jnp.asarray(cfg.hidden_size ** 0.5, dtype=h.dtype)
 
         cos_g, sin_g = L.rope_angles(positions, L.inv_frequencies(cfg.rope, cfg.head_dim))
-        local = cfg.local_rope or cfg.rope
-        cos_l, sin_l = L.rope_angles(positions, L.inv_frequencies(local, cfg.head_dim))
+        cos_l, sin_l = cos_g, sin_g
+        if cfg.local_rope is not None:  # Gemma 3: sliding layers use their own rope base
+            cos_l, sin_l = L.rope_angles(positions, L.inv_frequencies(cfg.local_rope, cfg.head_dim))
         windows = jnp.asarray(cfg.layer_windows, jnp.int32)
         is_local = jnp.asarray([w > 0 and cfg.local_rope is not None for w in cfg.layer_windows])
 

@@ -11,6 +11,7 @@ each record (resume from the snapshot with the same instruction) and checks the 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -63,7 +64,7 @@ def attach(sess, log_path: str, *, snapshot: str, snapshot_hash: str, position: 
         AuditLog(log_path).append(
             snapshot=os.path.abspath(snapshot), snapshot_hash=snapshot_hash, position=position,
             rewind_to=rewind_to, instruction_tokens=[int(t) for t in instruction_tokens],
-            instruction_text=instruction_text, sampling=dict(vars(s.params)) if hasattr(s.params, "__dict__") else None,
+            instruction_text=instruction_text, sampling=dataclasses.asdict(s.params),
             result_tokens=[int(t) for t in result], result_sha256=tokens_hash(result),
             interrupted=s.interrupted, started=started, finished=time.time())
 

@@ -102,7 +102,7 @@ class Session:
         # Recompute the last kept token: its logits predict what follows (counted, see DCU).
         self._charge(e.model_cfg.num_layers, "rewind")
         self.logits = self._runner.prefill_more(0, np.asarray(tokens[keep - 1:keep], np.int32))
-        self.generated = [t for t in self.generated][:max(0, keep - self.prompt_len)]
+        self.generated = self.generated[:max(0, keep - self.prompt_len)]
         self.new_tokens = 0
         self.finished = False
 
