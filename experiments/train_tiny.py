@@ -44,12 +44,15 @@ def stage_at(stages, step):
 def make_batch(text, stage, mix, answer_weight, rng):
     T, B = int(stage["seq_len"]), int(stage["batch"])
     n_needle = int(round(B * mix["needle"]))
+    n_multi = int(round(B * mix.get("needle_multi", 0.0)))
     n_repeat = int(round(B * mix["repeat"]))
     toks, weights = [], []
     for i in range(B):
         if i < n_needle:
             t, w = tasks.needle_training_example(text, T, rng, answer_weight)
-        elif i < n_needle + n_repeat:
+        elif i < n_needle + n_multi:
+            t, w = tasks.multi_needle_training_example(text, T, rng, answer_weight, questions=max(1, T // 256))
+        elif i < n_needle + n_multi + n_repeat:
             t, w = tasks.repeat_example(text, T, rng)
         else:
             t, w = tasks.lm_example(text, T, rng)

@@ -71,7 +71,16 @@ class Engine:
         self.cache_dtype = jnp.dtype(c.dtype or model.cfg.dtype)
         self.stats = new_stats()  # cumulative over the engine's life
         self._seq_ids = itertools.count()
-        if c.kind == "paged":
+        self.tiered = None
+        if c.kind == "paged" and self.config.tier.enabled:
+            from gemini_jax.tiers.runner import TieredKV
+
+            # Pages live in device slots and the tiers below; there is no whole-pool array.
+            self.kv = KVCacheManager(self.config.num_pages, c.block_size, prefix_caching=c.prefix_caching)
+            self.tiered = TieredKV(self)
+            self.mesh = None
+            backend = paged_backend(model.cfg, "xla", None)  # unused: calls go through the runner
+        elif c.kind == "paged":
             self.kv = KVCacheManager(self.config.num_pages, c.block_size, prefix_caching=c.prefix_caching)
             self.k_pool, self.v_pool = PagedKV.create_pool(model.cfg, self.config.num_pages,
                                                            c.block_size, self.cache_dtype)
@@ -100,6 +109,26 @@ class Engine:
             self.mesh = None
             backend = contiguous_backend(model.cfg)
         self._step = jax.jit(functools.partial(_run, self.graphdef, backend), donate_argnums=(1,))
+
+    def tier_stats(self) -> dict:
+        """Counters of the tiers (device slots, host, disk, bytes held per tier); {} without tiers."""
+        return self.tiered.stats() if self.tiered is not None else {}
+
+    def close(self) -> None:
+        """Stop the tiers' I/O threads and flush pending disk writes (no-op without tiers)."""
+        if self.tiered is not None:
+            self.tiered.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _no_tiers(self, what: str) -> None:
+        if self.tiered is not None:
+            raise ConfigError(f"{what} is not supported with tier.enabled yet (snapshots read the whole "
+                              f"device pool); run sessions without tiers.")
 
     # ---- validation -----------------------------------------------------------------------
     def _check_request(self, prompt, params: SamplingParams, what: str) -> np.ndarray:
@@ -137,6 +166,7 @@ class Engine:
         """A `Session` over `prompt`: iterate it for tokens; interrupt, snapshot, resume."""
         from gemini_jax.session import Session
 
+        self._no_tiers("Engine.start")
         params = params or SamplingParams()
         toks = self._check_request(prompt, params, "prompt")
         sess = Session(self, params, budget=budget)
@@ -157,6 +187,7 @@ class Engine:
         from gemini_jax.session import audit
         from gemini_jax.session.snapshot import restore_session
 
+        self._no_tiers("Engine.resume")
         sess = restore_session(self, path, params=params, budget=budget)
         try:
             instr = (validate_tokens(instruction_tokens, self.model_cfg.vocab_size, "instruction")
@@ -215,7 +246,11 @@ class Engine:
                         forced=None):
         cfg = self.model_cfg
         B = len(prompts)
-        runner = (_PagedRunner if self.kv is not None else _ContiguousRunner)(self, B, stats)
+        if self.tiered is not None:
+            from gemini_jax.tiers.runner import TieredRunner as runner_cls
+        else:
+            runner_cls = _PagedRunner if self.kv is not None else _ContiguousRunner
+        runner = runner_cls(self, B, stats)
         try:
             t0 = time.perf_counter()
             logits = jnp.concatenate([runner.prefill(row, toks) for row, toks in enumerate(prompts)])
@@ -244,7 +279,7 @@ class Engine:
                 if done.all() or i == params.max_new_tokens - 1:
                     break
                 logits = runner.decode(nxt, lengths)
-                lengths += 1
+                lengths = lengths + 1  # a new array: the runner may still read the old one (async)
                 stats["decode_steps"] += 1
                 stats["compute_units"] += B * cfg.num_layers
             jax.block_until_ready(logits)

@@ -57,7 +57,7 @@ _REGISTERED = False
 
 
 def register() -> None:
-    """Register schemas (groups model/hardware/engine/sampling/sparse) and the `gj_windows` resolver."""
+    """Register schemas (groups model/hardware/engine/sampling/sparse/tier) and the `gj_windows` resolver."""
     global _REGISTERED
     if _REGISTERED:
         return
@@ -72,6 +72,7 @@ def register() -> None:
     cs.store(group="engine", name="schema", node=schema_of(C.EngineConfig))
     cs.store(group="sampling", name="schema", node=schema_of(C.SamplingParams))
     cs.store(group="sparse", name="schema", node=schema_of(C.SparseConfig), package="engine.sparse")
+    cs.store(group="tier", name="schema", node=schema_of(C.TierConfig), package="engine.tier")
     _REGISTERED = True
 
 

@@ -35,10 +35,13 @@ def page_digest(kind: str, keys, count):
     return mean[..., None, :]
 
 
-def update(kind: str, digests, k_pool, layer, positions, block_tables, lengths):
+def update(kind: str, digests, k_pool, layer, positions, block_tables, lengths, digest_tables=None):
     """Recompute the digests of the pages that `positions` [B, T] touched in `layer`.
 
     A call of T tokens touches at most T // S + 2 logical pages per row; only those are read.
+    Pages are read from `k_pool` through `block_tables`; digests are written through
+    `digest_tables` (default: the same tables). They differ under tiers: the pool is a set of
+    device slots, while digests are kept for every page id.
     """
     S = k_pool.shape[3]
     P = k_pool.shape[2]
@@ -53,6 +56,9 @@ def update(kind: str, digests, k_pool, layer, positions, block_tables, lengths):
     touched = in_table & (logical <= last_written) & (count > 0)
     pages = k_pool[layer][:, phys]  # [K, B, n, S, D]
     dig = page_digest(kind, pages, jnp.broadcast_to(count[None], pages.shape[:3]))  # [K, B, n, R, D]
+    if digest_tables is not None:
+        P = digests.shape[2]
+        phys = jnp.take_along_axis(digest_tables, jnp.clip(logical, 0, block_tables.shape[1] - 1), axis=1)
     phys = jnp.where(touched, phys, P)  # untouched -> out of range -> dropped
     # Advanced indices split by a slice put [B, n] first: the update is [B, n, K, R, D].
     return digests.at[layer, :, phys].set(jnp.moveaxis(dig, 0, 2).astype(digests.dtype), mode="drop")

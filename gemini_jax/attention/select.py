@@ -57,3 +57,15 @@ def select_pages(scores, first_pos, last_pos, *, block_size: int, k: int, sink_p
     chosen = jnp.where(top_s > NEG, top_i, W + 1)  # invalid sorts last
     chosen = jnp.sort(chosen, axis=-1)
     return jnp.where(chosen > W, -1, chosen).astype(jnp.int32)
+
+
+def select_step(sp, digests_layer, q, q_pos, block_tables, *, block_size: int, window=0):
+    """The pages a call's queries read under `SparseConfig` sp: digests_layer [K, P, R, D] (one
+    layer, indexed by page id), q [B, T, H, D], q_pos [B, T], block_tables i32[B, W] (page ids)
+    -> i32[B, K, k] logical pages. A prefill chunk's own pages come on top of the budget."""
+    T = q.shape[1]
+    dig = digests_layer[:, block_tables]  # [K, B, W, R, D]
+    scores = page_scores(sp.digest, q, jnp.swapaxes(dig, 0, 1), sp.group_reduce)
+    k = sp.budget // block_size + (0 if T == 1 else T // block_size + 1)
+    return select_pages(scores, q_pos[:, 0], q_pos[:, -1], block_size=block_size, k=k,
+                        sink_pages=sp.sink_pages, local_pages=sp.local_pages, window=window)

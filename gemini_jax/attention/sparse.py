@@ -13,8 +13,12 @@ from gemini_jax.model.layers import NEG_INF, softcap
 
 
 def sparse_attention(q, q_pos, k_layer, v_layer, block_tables, lengths, selected, *, scale: float,
-                     cap=None, window=0):
-    """q [B, T, H, D], q_pos [B, T], pools [K, P, S, D], selected i32[B, K, n] -> [B, T, H, D]."""
+                     cap=None, window=0, return_lse: bool = False):
+    """q [B, T, H, D], q_pos [B, T], pools [K, P, S, D], selected i32[B, K, n] -> [B, T, H, D].
+
+    With return_lse, also the log-sum-exp of each query's (masked) logits, f32[B, T, H]: the
+    weight with which this part merges with attention over other pages (`merge_parts`).
+    """
     B, T, H, D = q.shape
     K, P, S, _ = k_layer.shape
     n = selected.shape[-1]
@@ -38,4 +42,23 @@ def sparse_attention(q, q_pos, k_layer, v_layer, block_tables, lengths, selected
     # Zero V where masked: a masked slot may hold anything (even NaN in a poisoned test pool).
     vv = jnp.where(ok[..., None], vv, 0)
     out = jnp.einsum("bkgts,bksd->btkgd", p.astype(vv.dtype), vv, preferred_element_type=jnp.float32)
-    return out.reshape(B, T, H, D).astype(q.dtype)
+    out = out.reshape(B, T, H, D).astype(q.dtype)
+    if not return_lse:
+        return out
+    # A query with no valid key here gets -inf, so it weighs nothing in the merge.
+    any_ok = jnp.any(mask, axis=-1)[:, :, None]  # [B, K, 1, T]
+    lse = jnp.where(any_ok, jax.nn.logsumexp(s, axis=-1), -jnp.inf)  # [B, K, G, T]
+    return out, jnp.moveaxis(lse, 3, 1).reshape(B, T, H)
+
+
+def merge_parts(out_a, lse_a, out_b, lse_b):
+    """Attention over pages A and over disjoint pages B -> attention over A and B (log-sum-exp
+    weights). A part with lse -inf contributes nothing, so merging into an empty accumulator
+    (lse -inf) returns the other part unchanged, bit for bit."""
+    m = jnp.maximum(lse_a, lse_b)
+    safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    wa, wb = jnp.exp(lse_a - safe), jnp.exp(lse_b - safe)
+    tot = wa + wb
+    out = (out_a.astype(jnp.float32) * (wa / tot)[..., None] + out_b.astype(jnp.float32) * (wb / tot)[..., None])
+    lse = jnp.where(jnp.isfinite(m), safe + jnp.log(tot), -jnp.inf)
+    return out.astype(out_a.dtype), lse

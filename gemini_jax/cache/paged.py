@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from gemini_jax.attention import digests as D
-from gemini_jax.attention.select import page_scores, select_pages
+from gemini_jax.attention.select import select_step
 from gemini_jax.attention.sparse import sparse_attention
 from gemini_jax.config import ModelConfig, SparseConfig
 from gemini_jax.model import layers as L
@@ -107,13 +107,9 @@ def paged_backend(cfg: ModelConfig, impl: str = "xla", sparse: SparseConfig | No
         return out, reads
 
     def sparse_step(layer, q, q_pos, window, cache):
-        S = cache.k.shape[3]
         T = q.shape[1]
-        dig = cache.digests[layer][:, cache.block_tables]  # [K, B, W, R, D]
-        scores = page_scores(sp.digest, q, jnp.swapaxes(dig, 0, 1), sp.group_reduce)
-        k = sp.budget // S + (0 if T == 1 else T // S + 1)  # a prefill chunk's own pages are extra
-        selected = select_pages(scores, q_pos[:, 0], q_pos[:, -1], block_size=S, k=k,
-                                sink_pages=sp.sink_pages, local_pages=sp.local_pages, window=window)
+        selected = select_step(sp, cache.digests[layer], q, q_pos, cache.block_tables,
+                               block_size=cache.k.shape[3], window=window)
         reads = jnp.sum(selected >= 0).astype(jnp.int32)
         if impl == "pallas" and T == 1:
             out = _pallas_sparse(q, cache.k[layer], cache.v[layer], cache, selected, window)

@@ -131,3 +131,48 @@ def needle_training_example(text: np.ndarray, length: int, rng: np.random.Genera
     w = np.ones(length, np.float32)
     w[-KEY_DIGITS:] = answer_weight
     return toks.astype(np.int32), w
+
+
+def multi_needle_training_example(text: np.ndarray, length: int, rng: np.random.Generator,
+                                  answer_weight: float = 20.0, questions: int = 4):
+    """Several named needles at random depths, then `questions` questions about them, each
+    followed by its answer: one sequence trains retrieval from several depths at once.
+
+    (tokens int32[length + 1], weights f32[length]); every answer byte weighs `answer_weight`.
+    """
+    names, used = [], set()
+    while len(names) < questions + int(rng.integers(0, 3)):
+        n = random_name(rng)
+        if n not in used:
+            used.add(n)
+            names.append(n)
+    keys = [random_key(rng) for _ in names]
+    needles = [NEEDLE.format(of=_of(n), key=k).encode() for n, k in zip(names, keys)]
+    asked = [int(i) for i in rng.permutation(len(names))[:questions]]
+    tail, answer_at = [], []
+    for i in asked:
+        q = QUESTION.format(of=_of(names[i])).encode()
+        start = sum(len(x) for x in tail) + len(q)
+        answer_at.append(start)
+        tail.append(q + keys[i].encode() + b".")
+    tail = b"".join(tail)
+    hay_len = length + 1 - 1 - len(tail) - sum(len(x) for x in needles)
+    if hay_len < 16:
+        raise ValueError(f"length={length} is too short for {questions} questions.")
+    hay = text_window(text, hay_len, rng)
+    spots = sorted(_snap_to_line(hay, int(rng.integers(0, hay_len + 1))) for _ in needles)
+    out, prev = [], 0
+    for at, piece in zip(spots, needles):
+        at = min(max(at, prev), hay_len)
+        out += [hay[prev:at].tobytes(), piece]
+        prev = at
+    out.append(hay[prev:].tobytes())
+    body = b"".join(out)
+    toks = np.concatenate([[BOS], np.frombuffer(body + tail, np.uint8).astype(np.int32)])
+    assert len(toks) == length + 1, (len(toks), length)
+    w = np.ones(length, np.float32)
+    base = 1 + len(body)  # token index of the tail's first byte
+    for a in answer_at:
+        # target index t predicts toks[t + 1]: the answer's first byte is toks[base + a]
+        w[base + a - 1:base + a - 1 + KEY_DIGITS] = answer_weight
+    return toks.astype(np.int32), w

@@ -108,30 +108,20 @@ class Decoder(nnx.Module):
         """
         cfg = self.cfg
         backend = backend or self_attention_backend(cfg)
-        h = self.embed[...][tokens]
-        if cfg.embed_scale:
-            h = h * jnp.asarray(cfg.hidden_size ** 0.5, dtype=h.dtype)
-
-        cos_g, sin_g = L.rope_angles(positions, L.inv_frequencies(cfg.rope, cfg.head_dim))
-        cos_l, sin_l = cos_g, sin_g
-        if cfg.local_rope is not None:  # Gemma 3: sliding layers use their own rope base
-            cos_l, sin_l = L.rope_angles(positions, L.inv_frequencies(cfg.local_rope, cfg.head_dim))
-        windows = jnp.asarray(cfg.layer_windows, jnp.int32)
-        is_local = jnp.asarray([w > 0 and cfg.local_rope is not None for w in cfg.layer_windows])
+        h = self.embed_tokens(tokens)
+        rope = self._rope_tables(positions)
 
         def layer_fn(carry, xs):
             h, cache = carry
-            p, window, use_local, idx = xs
-            cos = jnp.where(use_local, cos_l, cos_g)
-            sin = jnp.where(use_local, sin_l, sin_g)
-            attn_out, cache = self._attention(p, h, positions, cos, sin, window, idx, backend, cache)
-            h = h + attn_out
-            h = h + self._mlp(p, h)
+            p, idx = xs
+            q, k, v = self._qkv(p, h, positions, rope, idx)
+            out, cache = backend(idx, q, k, v, positions, self._window(idx), cache)
+            h = self._finish(p, h, out)
             return (h, cache), None
 
         if remat:
             layer_fn = jax.checkpoint(layer_fn)
-        xs = (self.layers.arrays(), windows, is_local, jnp.arange(cfg.num_layers))
+        xs = (self.layers.arrays(), jnp.arange(cfg.num_layers))
         (h, cache), _ = jax.lax.scan(layer_fn, (h, cache), xs)
         if select is not None:
             h = jnp.take_along_axis(h, select[:, None, None].astype(jnp.int32), axis=1)
@@ -147,8 +137,36 @@ class Decoder(nnx.Module):
     def _norm(self, x, w):
         return L.rms_norm(x, w, self.cfg.norm_eps, self.cfg.norm_kind == "rms_plus_one")
 
-    def _attention(self, p, h, positions, cos, sin, window, idx, backend, cache):
+    # ---- one layer in two halves -------------------------------------------------------------
+    # The scan above runs them back to back; the tiered KV path (gemini_jax.tiers.runner) runs
+    # them from the host, layer by layer, so it can make the selected pages resident in between.
+    def embed_tokens(self, tokens):
+        h = self.embed[...][tokens]
+        if self.cfg.embed_scale:
+            h = h * jnp.asarray(self.cfg.hidden_size ** 0.5, dtype=h.dtype)
+        return h
+
+    def layer_params(self, idx) -> dict[str, jax.Array]:
+        """Layer `idx`'s weights (idx may be traced)."""
+        return {k: v[idx] for k, v in self.layers.arrays().items()}
+
+    def _rope_tables(self, positions):
         cfg = self.cfg
+        glob = L.rope_angles(positions, L.inv_frequencies(cfg.rope, cfg.head_dim))
+        if cfg.local_rope is None:
+            return glob, glob
+        # Gemma 3: sliding layers use their own rope base
+        return glob, L.rope_angles(positions, L.inv_frequencies(cfg.local_rope, cfg.head_dim))
+
+    def _window(self, idx):
+        return jnp.asarray(self.cfg.layer_windows, jnp.int32)[idx]
+
+    def _qkv(self, p, h, positions, rope, idx):
+        """Pre-attention half: norm, projections, qk-norm, rope -> q [B,T,H,D], k, v [B,T,K,D]."""
+        cfg = self.cfg
+        (cos_g, sin_g), (cos_l, sin_l) = rope
+        use_local = jnp.asarray([w > 0 and cfg.local_rope is not None for w in cfg.layer_windows])[idx]
+        cos, sin = jnp.where(use_local, cos_l, cos_g), jnp.where(use_local, sin_l, sin_g)
         B, T, _ = h.shape
         x = self._norm(h, p["attn_norm"])
         q, k, v = x @ p["wq"], x @ p["wk"], x @ p["wv"]
@@ -159,14 +177,25 @@ class Decoder(nnx.Module):
         v = v.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q, k = self._norm(q, p["q_norm"]), self._norm(k, p["k_norm"])
-        q, k = L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin)
-        out, cache = backend(idx, q, k, v, positions, window, cache)
-        out = out.reshape(B, T, cfg.num_heads * cfg.head_dim) @ p["wo"]
+        return L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin), v
+
+    def layer_qkv(self, idx, h, positions):
+        return self._qkv(self.layer_params(idx), h, positions, self._rope_tables(positions), idx)
+
+    def _finish(self, p, h, attn):
+        """Post-attention half: output projection, residual, MLP, residual."""
+        cfg = self.cfg
+        B, T = attn.shape[:2]
+        out = attn.reshape(B, T, cfg.num_heads * cfg.head_dim) @ p["wo"]
         if cfg.o_bias:
             out = out + p["bo"]
         if cfg.sandwich_norms:
             out = self._norm(out, p["post_attn_norm"])
-        return out, cache
+        h = h + out
+        return h + self._mlp(p, h)
+
+    def layer_finish(self, idx, h, attn):
+        return self._finish(self.layer_params(idx), h, attn)
 
     def _mlp(self, p, h):
         cfg = self.cfg

@@ -9,7 +9,7 @@ prefetch, and a cost model that projects counted transfers onto hardware tiers (
     page  = pre.get((layer, page))                 # staged hit, or a timed synchronous miss
 """
 
-from gemini_jax.tiers.config import TierConfig
+from gemini_jax.config import TierConfig
 from gemini_jax.tiers.cost_model import RunCounters, measure_disk, project, project_all
 from gemini_jax.tiers.errors import IncompletePage, PageMissing, TierError
 from gemini_jax.tiers.page import PageKey, PageSpec, page_digest

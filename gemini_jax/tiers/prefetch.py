@@ -26,7 +26,7 @@ from typing import Iterable, Optional, Protocol
 
 import numpy as np
 
-from gemini_jax.tiers.config import TierConfig
+from gemini_jax.config import TierConfig
 from gemini_jax.tiers.page import PageKey
 from gemini_jax.tiers.stack import Fetched
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
 from gemini_jax.errors import CacheExhausted
-from gemini_jax.tiers.config import TierConfig
+from gemini_jax.config import TierConfig
 from gemini_jax.tiers.page import PageKey
 
 

@@ -15,7 +15,7 @@ from typing import Optional
 import numpy as np
 
 from gemini_jax.errors import CacheExhausted, IntegrityError
-from gemini_jax.tiers.config import TierConfig
+from gemini_jax.config import TierConfig
 from gemini_jax.tiers.errors import PageMissing, TierError
 from gemini_jax.tiers.page import PageKey, PageSpec
 from gemini_jax.tiers.stores import DiskStore, HostStore

@@ -1,0 +1,417 @@
+"""The engine over tiers: KV pages in a bounded set of device slots, the rest in host RAM / on
+disk, run layer by layer so the host can make each layer's pages resident before it attends.
+
+One call (a prefill chunk or a decode step), for every layer l (DESIGN.md §7):
+
+    q, k, v   = layer l's first half                                   (device)
+    write k/v into the slots of the pages they land in; refresh those pages' digests
+    full pages go down the tiers (write-through: `TierStack.put`, disk write asynchronous)
+    needed    = the pages the queries read: top-k from digests (sparse) or every page (dense)
+    in groups that fit the free slots: admit (hits are free), fetch misses through the
+        prefetcher (staged -> hit; else a timed synchronous read = stall), copy them into
+        their slots, attend; groups merge by log-sum-exp
+    predictor -> prefetcher: start fetching what layers l+1 .. l+depth read last step
+    h         = layer l's second half                                  (device)
+
+Exactness: a page's bytes are the same in a slot, in host RAM and on disk, and digests live on
+device for every page, so selection is the all-resident selection. Attention over one group is
+the all-resident sparse attention over the same pages; over several groups (a dense layer
+whose pages do not fit) it is the same softmax, summed in parts (equal to rounding).
+
+`TieredKV` is the engine's persistent state (slots, digests, stores); `TieredRunner` runs one
+batch of sequences through it, with the same interface as the engine's other runners.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from gemini_jax.attention import digests as D
+from gemini_jax.attention.select import select_step
+from gemini_jax.attention.sparse import merge_parts, sparse_attention
+from gemini_jax.cache.paged import write_pages
+from gemini_jax.errors import CacheExhausted
+from gemini_jax.tiers.errors import TierError
+from gemini_jax.tiers.page import PageSpec
+from gemini_jax.tiers.prefetch import Predictor, Prefetcher
+from gemini_jax.tiers.residency import DeviceSlots, HotZone
+from gemini_jax.tiers.stack import TierStack
+
+
+def _pow2(n: int) -> int:
+    b = 1
+    while b < n:
+        b *= 2
+    return b
+
+
+# ---- jitted pieces (pure; the host loop strings them together) --------------------------------
+@functools.partial(jax.jit, static_argnums=0)
+def _embed(graphdef, params, tokens):
+    return nnx.merge(graphdef, params).embed_tokens(tokens)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _qkv(graphdef, params, layer, h, positions):
+    return nnx.merge(graphdef, params).layer_qkv(layer, h, positions)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _finish(graphdef, params, layer, h, attn):
+    return nnx.merge(graphdef, params).layer_finish(layer, h, attn)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _logits(graphdef, params, h, select):
+    h = jnp.take_along_axis(h, select[:, None, None], axis=1)
+    return nnx.merge(graphdef, params).logits(h)[:, 0]
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=(1, 2, 3))
+def _write(kind, k_slots, v_slots, digests, layer, k, v, positions, slot_table, page_table, lengths):
+    """New K/V into their slots (slot_table: logical page -> slot); digests by page id."""
+    k_slots, v_slots = write_pages(k_slots, v_slots, layer, k, v, positions, slot_table, lengths)
+    if kind is not None:
+        digests = D.update(kind, digests, k_slots, layer, positions, slot_table, lengths, digest_tables=page_table)
+    return k_slots, v_slots, digests
+
+
+@functools.partial(jax.jit, static_argnames=("sp", "block_size"))
+def _select(digests, layer, q, positions, page_table, window, *, sp, block_size):
+    return select_step(sp, digests[layer], q, positions, page_table, block_size=block_size, window=window)
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def _fill(k_slots, v_slots, layer, slots, k, v):
+    """Pages k, v [n, K, S, D] into `slots` [n] of `layer` (out-of-range slots: padding, dropped)."""
+    return (k_slots.at[layer, :, slots].set(k, mode="drop"), v_slots.at[layer, :, slots].set(v, mode="drop"))
+
+
+@jax.jit
+def _read(k_slots, v_slots, layer, slots):
+    """Pages in `slots` [n] of `layer` -> k, v [n, K, S, D]."""
+    return jnp.moveaxis(k_slots[layer][:, slots], 1, 0), jnp.moveaxis(v_slots[layer][:, slots], 1, 0)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "cap"))
+def _attend(q, positions, k_slots, v_slots, layer, slot_table, lengths, selected, window, acc, acc_lse,
+            *, scale, cap):
+    out, lse = sparse_attention(q, positions, k_slots[layer], v_slots[layer], slot_table, lengths, selected,
+                                scale=scale, cap=cap, window=window, return_lse=True)
+    return merge_parts(acc, acc_lse, out, lse)
+
+
+class TieredKV:
+    """Device slots, all-page digests and the stores below: the engine's KV state under tiers.
+
+    Owners: `slots` (which page of which layer sits in which slot), `page_to_slot` (the same
+    map as an array, for building slot tables), `below` (pages whose current content is stored
+    in a tier below; only those may be evicted or prefetched), `stack` / `prefetcher`.
+    """
+
+    def __init__(self, eng):
+        cfg, ec = eng.model_cfg, eng.config
+        tc, S = ec.tier, ec.cache.block_size
+        self.cfg, self.tc, self.S = cfg, tc, S
+        self.num_pages = ec.num_pages
+        self.dtype = eng.cache_dtype
+        L = cfg.num_layers
+        self.n_slots = tc.device_slots(self.num_pages)
+        self.slots = DeviceSlots(L, self.n_slots + 1, reserved=(0,))  # slot 0: null, never written
+        shape = (L, cfg.num_kv_heads, self.n_slots + 1, S, cfg.head_dim)
+        self.k = jnp.zeros(shape, self.dtype)  # zeros: masked reads of unfilled slots stay finite
+        self.v = jnp.zeros(shape, self.dtype)
+        sp = ec.sparse
+        self.digests = None
+        if sp.enabled:
+            ddt = jnp.dtype(sp.digest_dtype or self.dtype)
+            self.digests = D.create(sp.digest, L, cfg.num_kv_heads, self.num_pages, cfg.head_dim, ddt)
+        self.page_to_slot = np.zeros((L, self.num_pages), np.int32)
+        self.spec = PageSpec(num_layers=L, num_pages=self.num_pages, kv_heads=cfg.num_kv_heads, block_size=S,
+                             head_dim=cfg.head_dim, dtype=jnp.dtype(self.dtype).name)
+        self.stack = TierStack(self.spec, tc)
+        self.prefetcher = Prefetcher(self.stack, capacity=tc.staging_pages, workers=tc.io_workers)
+        self.predictor = Predictor(tc, L, block_size=S)
+        self.hot = HotZone(tc, L)
+        self.below: set = set()
+        self.np_dtype = self.spec.np_dtype
+
+    # ---- residency ---------------------------------------------------------------------------
+    def forget(self, pages) -> None:
+        """Pages (re)allocated by the cache: whatever a slot or a tier holds for them is stale."""
+        for p in pages:
+            for layer in range(self.cfg.num_layers):
+                key = (layer, int(p))
+                if self.slots.release(key) is not None:
+                    self.page_to_slot[layer, p] = 0
+                self.stack.discard(key)
+                self.prefetcher.invalidate(key)
+                self.below.discard(key)
+
+    def admit(self, layer: int, pages, *, fetch=True) -> None:
+        """Make `pages` of `layer` resident together. Misses are read from below when `fetch` is
+        True or (a set) holds the page; the others are fresh pages about to be written."""
+        keys = [(layer, int(p)) for p in pages]
+        adms = self.slots.ensure(keys)
+        missing_keys, missing_slots = [], []
+        for a in adms:
+            if a.evicted is not None:
+                self.page_to_slot[a.evicted] = 0
+            self.page_to_slot[a.key] = a.slot
+            if not a.hit and (fetch is True or (fetch is not False and a.key[1] in fetch)):
+                missing_keys.append(a.key)
+                missing_slots.append(a.slot)
+        if missing_keys:
+            self._fill(layer, missing_keys, missing_slots)
+
+    def _fill(self, layer, keys, slots) -> None:
+        ks, vs = [], []
+        for key in keys:
+            if key not in self.below:
+                raise TierError(f"page (layer={key[0]}, page={key[1]}) is needed on device but no tier holds "
+                                f"its current content (a partial page must stay pinned: tier.pin_local_pages).")
+            page = self.prefetcher.get(key)
+            if page is None:  # on_corrupt="recompute": the stack refused a bad page
+                raise TierError(f"page (layer={key[0]}, page={key[1]}) failed verification and recomputing "
+                                f"pages is not supported by the engine; set tier.on_corrupt='raise'.")
+            ks.append(page.k)
+            vs.append(page.v)
+        n = _pow2(len(keys))
+        pad = n - len(keys)
+        if pad:  # padded slots are out of range: dropped by the scatter
+            ks += [ks[0]] * pad
+            vs += [vs[0]] * pad
+        idx = np.full(n, self.n_slots + 1, np.int32)
+        idx[:len(slots)] = slots
+        self.k, self.v = _fill(self.k, self.v, jnp.int32(layer), jnp.asarray(idx),
+                               jnp.asarray(np.stack(ks)), jnp.asarray(np.stack(vs)))
+
+    def put_below(self, layer: int, pages) -> None:
+        """Full pages of `layer` (resident) go down the tiers."""
+        pages = [int(p) for p in pages]
+        if not pages:
+            return
+        n = _pow2(len(pages))
+        idx = np.zeros(n, np.int32)
+        idx[:len(pages)] = self.page_to_slot[layer, pages]
+        k, v = _read(self.k, self.v, jnp.int32(layer), jnp.asarray(idx))
+        k, v = np.asarray(k), np.asarray(v)
+        for i, p in enumerate(pages):
+            key = (layer, p)
+            self.prefetcher.invalidate(key)
+            self.stack.put(key, k[i], v[i])
+            self.below.add(key)
+
+    def stats(self) -> dict:
+        """Tier counters: device slots, host and disk stores, KV bytes held per tier."""
+        pb = self.spec.page_bytes
+        host = len(self.stack.host)
+        out = {"device_slots_per_layer": self.n_slots, "device_hits": self.slots.hits,
+               "device_misses": self.slots.misses, "device_evictions": self.slots.evictions,
+               "kv_bytes_device": int(self.k.nbytes + self.v.nbytes), "kv_bytes_host": host * pb,
+               **self.stack.stats(), **{k: v for k, v in self.prefetcher.stats.items()}}
+        if self.stack.disk is not None:
+            out["kv_bytes_disk"] = len(self.stack.disk.committed_pages()) * pb
+        if self.digests is not None:
+            out["digest_bytes_device"] = int(self.digests.nbytes)
+        return out
+
+    def close(self) -> None:
+        self.prefetcher.close()
+        self.stack.close()
+
+
+class TieredRunner:
+    """Sequences of one `generate` batch, run layer by layer over `TieredKV`."""
+
+    def __init__(self, eng, B: int, stats: dict):
+        self.eng, self.stats = eng, stats
+        self.t: TieredKV = eng.tiered
+        self.ids = [next(eng._seq_ids) for _ in range(B)]
+        self.window = eng.model_cfg.max_window
+
+    # ---- the engine's runner interface --------------------------------------------------------
+    def prefill(self, row, toks):
+        e, sid = self.eng, self.ids[row]
+        reused = e.kv.add_sequence(sid, toks)
+        self.stats["prefill_tokens_reused"] += reused
+        toks = np.asarray(toks, np.int32)
+        logits = None
+        for padded, pos, n in e._prefill_chunks(toks, reused):
+            start, end = int(pos[0]), int(pos[0]) + n
+            self._reserve(sid, end)
+            logits, _ = self._call([sid], padded[None], pos[None], np.array([start]), np.array([end]),
+                                   np.array([n - 1]), decode=False)
+            e.kv.commit(sid, padded[:n])
+            self._drop_window(sid)
+            self.stats["prefill_tokens_computed"] += n
+            self.stats["compute_units"] += n * e.model_cfg.num_layers
+        return logits
+
+    def decode(self, nxt, lengths):
+        e = self.eng
+        for sid, n in zip(self.ids, lengths):
+            self._reserve(sid, int(n) + 1)
+        logits, reads = self._call(self.ids, nxt[:, None], lengths[:, None], np.asarray(lengths),
+                                   np.asarray(lengths) + 1, np.zeros(len(self.ids), np.int32), decode=True)
+        for sid, tok in zip(self.ids, nxt):
+            e.kv.commit(sid, [int(tok)])
+            self._drop_window(sid)
+        cfg, S = e.model_cfg, e.config.cache.block_size
+        self.stats["kv_bytes_read"] += reads * 2 * S * cfg.head_dim * e.cache_dtype.itemsize
+        if e.config.sparse.enabled:
+            self.stats["pages_selected"] += reads
+        return logits
+
+    def close(self):
+        for sid in self.ids:
+            if sid in self.eng.kv.seqs:
+                self.eng.kv.free(sid)  # pages stay valid (prefix cache) until reallocated
+
+    # ---- bookkeeping ----------------------------------------------------------------------------
+    def _reserve(self, sid, total):
+        seq = self.eng.kv.seqs[sid]
+        before = len(seq.pages)
+        self.eng.kv.reserve(sid, total)
+        self.t.forget(seq.pages[before:])
+
+    def _drop_window(self, sid):
+        self.eng.kv.drop_outside_window(sid, self.window)
+
+    def _pins(self, bt, starts, ends):
+        t, S, kv = self.t, self.t.S, self.eng.kv
+        # Every live sequence of the batch keeps its sink and last pages (its partial page among
+        # them) pinned, not only the ones in this call: prefill runs one sequence at a time.
+        # A call continues the partial page that was the last before it and pins the pages after it.
+        live = [s for s in self.ids if s in kv.seqs]
+        width = max(len(kv.seqs[s].pages) for s in live)
+        fixed = t.hot.fixed(kv.block_tables(live, width), [kv.seqs[s].num_tokens for s in live], block_size=S)
+        fixed |= t.hot.fixed(bt, starts, block_size=S) | t.hot.fixed(bt, ends, block_size=S)
+        t.slots.set_pins("fixed", fixed)
+
+    # ---- one call, layer by layer -----------------------------------------------------------------
+    def _call(self, ids, tokens, positions, starts, ends, select, *, decode: bool):
+        e, t = self.eng, self.t
+        cfg, sp = e.model_cfg, e.config.sparse
+        S, L = t.S, cfg.num_layers
+        from gemini_jax.engine import _table_width
+
+        width = _table_width(max(len(e.kv.seqs[s].pages) for s in ids), e.config.pages_per_seq)
+        bt = e.kv.block_tables(ids, width)  # page ids, 0 = null
+        self._pins(bt, starts, ends)
+        B, T = tokens.shape
+        # Copies: jax may alias host buffers, and callers reuse theirs while our calls still run.
+        tokens_d, pos_d = jnp.array(tokens, jnp.int32, copy=True), jnp.array(positions, jnp.int32, copy=True)
+        ends_d, bt_d = jnp.array(ends, jnp.int32, copy=True), jnp.array(bt, copy=True)
+        windows = cfg.layer_windows
+        before = dict(t.prefetcher.stats)
+        reads = 0
+        # Pages written by this call, and those it fills (which then go below), per row.
+        written = [list(range(int(s) // S, (int(en) - 1) // S + 1)) for s, en in zip(starts, ends)]
+        filled = [[p for p in w if (p + 1) * S <= int(en)] for w, en in zip(written, ends)]
+        # A row's first written page holds earlier tokens unless the call starts on a page boundary.
+        continued = sorted({int(bt[b, w[0]]) for b, (w, s) in enumerate(zip(written, starts)) if int(s) % S})
+        fresh = sorted({int(bt[b, p]) for b in range(B) for p in written[b]} - set(continued))
+        fill_pages_ids = sorted({int(bt[b, p]) for b in range(B) for p in filled[b]})
+        h = _embed(e.graphdef, e.params, tokens_d)
+        for layer in range(L):
+            lyr = jnp.int32(layer)
+            window = int(windows[layer])
+            q, k, v = _qkv(e.graphdef, e.params, lyr, h, pos_d)
+            # The pages written here: fresh ones need no fetch; a continued partial page is pinned.
+            try:
+                t.admit(layer, continued + fresh, fetch=set(continued))
+            except CacheExhausted as err:
+                raise CacheExhausted(
+                    f"this call writes {len(continued + fresh)} pages per layer, which with the pinned pages "
+                    f"do not fit {t.slots.capacity} device slots: lower prefill_chunk or max_batch, or raise "
+                    f"tier.device_pages / device_fraction. ({err})") from None
+            slot_table = jnp.asarray(t.page_to_slot[layer][bt])
+            t.k, t.v, t.digests = _write(sp.digest if sp.enabled else None, t.k, t.v, t.digests, lyr, k, v,
+                                         pos_d, slot_table, bt_d, ends_d)
+            t.put_below(layer, fill_pages_ids)
+            # Which pages the queries read.
+            if sp.enabled and layer >= sp.dense_layers and (T == 1 or sp.sparse_prefill):
+                selected = np.asarray(_select(t.digests, lyr, q, pos_d, bt_d, jnp.int32(window), sp=sp,
+                                              block_size=S))
+            else:
+                selected = self._dense_needed(bt, positions, ends, window)
+            reads += int(np.sum(selected >= 0)) * (cfg.num_kv_heads if selected.shape[1] == 1 else 1)
+            if selected.shape[1] == 1:
+                selected = np.broadcast_to(selected, (B, cfg.num_kv_heads, selected.shape[2]))
+            if decode:
+                t.hot.record((layer, int(bt[b, p])) for b in range(B) for p in np.unique(selected[b]) if p >= 0)
+            t.predictor.observe(layer, bt, selected, ends)
+            out = self._attend_groups(layer, q, pos_d, bt, ends_d, selected, window)
+            t.prefetcher.schedule(key for key in t.predictor.predict(layer)
+                                  if key in t.below and t.page_to_slot[key] == 0)
+            h = _finish(e.graphdef, e.params, lyr, h, out)
+        logits = _logits(e.graphdef, e.params, h, jnp.asarray(select, jnp.int32))
+        if decode:
+            hot = t.hot.end_step()
+            t.slots.set_pins("hot", hot)
+        for key in ("prefetch_hits", "prefetch_misses", "pages_fetched_host", "pages_fetched_disk"):
+            self.stats[key] += t.prefetcher.stats[key] - before[key]
+        self.stats["stall_seconds"] += t.prefetcher.stats["stall_seconds"] - before["stall_seconds"]
+        return logits, reads
+
+    def _dense_needed(self, bt, positions, ends, window):
+        """Every page a dense layer reads: [B, 1, n] logical ids, -1 padded (window-aware)."""
+        S = self.t.S
+        rows = []
+        for b in range(bt.shape[0]):
+            n_pages = -(-int(ends[b]) // S)
+            p = np.arange(n_pages)
+            keep = bt[b, :n_pages] != 0
+            if window > 0:  # pages wholly outside every query's window are never read
+                keep &= (p + 1) * S - 1 > int(positions[b, 0]) - window
+            rows.append(p[keep])
+        n = max(1, max(len(r) for r in rows))
+        out = np.full((bt.shape[0], 1, n), -1, np.int32)
+        for b, r in enumerate(rows):
+            out[b, 0, :len(r)] = r
+        return out
+
+    def _attend_groups(self, layer, q, pos_d, bt, ends_d, selected, window):
+        """Attention over `selected` [B, K, n] in column groups whose pages fit the free slots."""
+        t, cfg = self.t, self.eng.model_cfg
+        B, K, n = selected.shape
+        pinned = {p for (l, p) in t.slots._pinned if l == layer and t.page_to_slot[l, p] != 0}  # resident pins
+
+        def pages_of(cols):
+            s = selected[:, :, cols]
+            return {int(bt[b, p]) for b in range(B) for p in np.unique(s[b]) if p >= 0}
+
+        # The largest power-of-two split of the columns whose every group fits.
+        groups = 1
+        while True:
+            size = -(-n // groups)
+            parts = [slice(i, min(i + size, n)) for i in range(0, n, size)]
+            sets = [pages_of(c) for c in parts]
+            if all(len(s | pinned) <= t.slots.capacity for s in sets):
+                break
+            if size == 1:
+                raise CacheExhausted(
+                    f"layer {layer}: one column of the selection needs {max(len(s) for s in sets)} pages but "
+                    f"{t.slots.capacity} device slots, {len(pinned)} of them pinned, cannot hold them; "
+                    f"raise tier.device_pages / device_fraction or lower the batch, prefill_chunk or pins.")
+            groups *= 2
+        acc = jnp.zeros(q.shape, q.dtype)
+        acc_lse = jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
+        for cols, pages in zip(parts, sets):
+            t.admit(layer, sorted(pages), fetch=True)
+            sel = selected[:, :, cols]
+            if len(parts) > 1:  # pad to a power of two: few shapes compile
+                w = _pow2(sel.shape[2])
+                sel = np.pad(sel, ((0, 0), (0, 0), (0, w - sel.shape[2])), constant_values=-1)
+            slot_table = jnp.asarray(t.page_to_slot[layer][bt])
+            acc, acc_lse = _attend(q, pos_d, t.k, t.v, jnp.int32(layer), slot_table, ends_d, jnp.asarray(sel),
+                                   jnp.int32(window), acc, acc_lse, scale=cfg.scale, cap=cfg.attn_softcap)
+        return acc
+

@@ -1,0 +1,136 @@
+"""The engine over tiers (gemini_jax.tiers.runner): device budgets and prefetch depths never
+change the numbers; pages really move (counters); disk pages are verified on the way up."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import numpy as np
+import pytest
+
+import gemini_jax as gj
+from gemini_jax.config import CacheConfig, EngineConfig, SamplingParams, SparseConfig, TierConfig
+from gemini_jax.errors import ConfigError, IntegrityError
+from helpers import random_model, random_prompts, tiny_config
+
+BUDGETS = (1.0, 0.5, 0.25, 0.1)
+DEPTHS = (0, 1, 2, 4)
+GREEDY = SamplingParams(max_new_tokens=20, temperature=0.0)
+
+
+def _base(sparse: bool, **over):
+    sp = SparseConfig(enabled=True, budget=64, sink_pages=1, local_pages=1) if sparse else SparseConfig()
+    # Chunks of 32 tokens write 5 pages: with pins they fit the 12 slots of a 10% budget.
+    return dict(max_seq_len=512, max_batch=2, prefill_chunk=32, cache=CacheConfig(block_size=8), sparse=sp, **over)
+
+
+@pytest.fixture(scope="module", params=[("llama", False), ("gemma2", True)], ids=["dense-llama", "sparse-gemma2"])
+def case(request):
+    family, sparse = request.param
+    cfg = tiny_config(family)
+    model = random_model(cfg, 11)
+    rng = np.random.default_rng()  # fresh prompts every run
+    prompts = random_prompts(rng, cfg.vocab_size, [int(rng.integers(120, 200)), int(rng.integers(60, 120))])
+    ref = gj.Engine(model, EngineConfig(**_base(sparse))).generate(prompts, GREEDY, return_logits=True)
+    return model, sparse, prompts, ref
+
+
+def test_budgets_and_prefetch_depths_keep_the_numbers(case):
+    model, sparse, prompts, ref = case
+    fetched = {}
+    for frac in BUDGETS:
+        for depth in DEPTHS:
+            tier = TierConfig(enabled=True, device_fraction=frac, prefetch_depth=depth, hot_threshold=0)
+            with gj.Engine(model, EngineConfig(**_base(sparse), tier=tier)) as eng:
+                out = eng.generate(prompts, GREEDY, return_logits=True)
+            where = f"device_fraction={frac}, prefetch_depth={depth}"
+            assert out.tokens == ref.tokens, where
+            for a, b in zip(out.logits, ref.logits):
+                # The layer-by-layer program rounds differently from the scanned one (f32 ulps).
+                np.testing.assert_allclose(a, b, atol=1e-5, rtol=0, err_msg=where)
+            fetched[frac, depth] = out.stats
+    # The small budgets really evict and fetch; the full one never does; prefetch turns misses into hits.
+    assert fetched[1.0, 0]["pages_fetched_host"] == 0
+    assert fetched[0.1, 0]["pages_fetched_host"] > 0
+    assert fetched[0.1, 0]["prefetch_hits"] == 0 and fetched[0.1, 2]["prefetch_hits"] > 0
+    assert fetched[0.1, 2]["prefetch_misses"] < fetched[0.1, 0]["prefetch_misses"]
+
+
+def _disk_engine(model, tmp_path, **tier):
+    tier = TierConfig(enabled=True, device_fraction=0.1, host_pages=8, disk_path=str(tmp_path / "kv"),
+                      prefetch_depth=2, hot_threshold=0, **tier)
+    return gj.Engine(model, EngineConfig(**_base(True), tier=tier))
+
+
+def test_disk_tier_exact_and_counted(tmp_path):
+    cfg = tiny_config("qwen3")
+    model = random_model(cfg, 5)
+    prompts = random_prompts(np.random.default_rng(), cfg.vocab_size, [230])
+    ref = gj.Engine(model, EngineConfig(**_base(True))).generate(prompts, GREEDY, return_logits=True)
+    with _disk_engine(model, tmp_path) as eng:
+        out = eng.generate(prompts, GREEDY, return_logits=True)
+        ts = eng.tier_stats()
+    assert out.tokens == ref.tokens
+    np.testing.assert_allclose(out.logits[0], ref.logits[0], atol=1e-5, rtol=0)
+    assert out.stats["pages_fetched_disk"] > 0, out.stats
+    assert ts["disk_pages_written"] > 0 and ts["kv_bytes_disk"] > 0
+    assert ts["host_pages"] <= 8
+
+
+def test_corrupt_disk_page_raises_integrity_error(tmp_path):
+    cfg = tiny_config("llama")
+    model = random_model(cfg, 6)
+    prompt = random_prompts(np.random.default_rng(), cfg.vocab_size, [240])[0]
+    with _disk_engine(model, tmp_path) as eng:
+        eng.generate(prompt, SamplingParams(max_new_tokens=2, temperature=0.0))
+        eng.tiered.stack.flush()
+        files = [p for p in pathlib.Path(tmp_path / "kv").rglob("*") if p.is_file() and p.stat().st_size > 1000]
+        assert files
+        for p in files:  # flip bytes in the middle of every page file
+            data = bytearray(p.read_bytes())
+            mid = len(data) // 2
+            data[mid:mid + 8] = bytes(b ^ 0xFF for b in data[mid:mid + 8])
+            p.write_bytes(bytes(data))
+        # The same prompt again: its full pages come back from the prefix cache, most from disk.
+        with pytest.raises(IntegrityError, match="layer"):
+            eng.generate(prompt, SamplingParams(max_new_tokens=2, temperature=0.0))
+
+
+def test_unwritable_disk_path_fails_at_construction(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")  # a path below a regular file can never be created
+    cfg = tiny_config("llama")
+    with pytest.raises(gj.errors.GeminiJaxError, match="a_file"):
+        gj.Engine(random_model(cfg, 1), EngineConfig(**_base(False), tier=TierConfig(
+            enabled=True, device_fraction=0.5, disk_path=str(blocker / "kv"))))
+
+
+@pytest.mark.parametrize("over, field", [
+    (dict(attention_impl="pallas"), "attention_impl"),
+    (dict(cache=CacheConfig(kind="contiguous")), "cache.kind"),
+    (dict(mesh={"data": 2, "model": 1}), "mesh"),
+])
+def test_tier_config_conflicts_name_the_field(over, field):
+    base = dict(max_seq_len=256, max_batch=1, tier=TierConfig(enabled=True, device_fraction=0.5))
+    with pytest.raises(ConfigError, match=field.split(".")[0]):
+        EngineConfig(**{**base, **over})
+    with pytest.raises(ConfigError, match="pin_local_pages"):
+        EngineConfig(**{**base, "tier": TierConfig(enabled=True, device_fraction=0.5, pin_local_pages=0)})
+
+
+def test_sessions_over_tiers_are_refused_clearly():
+    cfg = tiny_config("llama")
+    with gj.Engine(random_model(cfg, 2), EngineConfig(**_base(False), tier=TierConfig(
+            enabled=True, device_fraction=0.5))) as eng:
+        with pytest.raises(ConfigError, match="tier"):
+            eng.start([1, 2, 3], SamplingParams(max_new_tokens=2))
+
+
+def test_too_small_budget_is_cache_exhausted_not_wrong():
+    cfg = tiny_config("llama")
+    eng = gj.Engine(random_model(cfg, 3), EngineConfig(
+        max_seq_len=512, max_batch=1, prefill_chunk=256, cache=CacheConfig(block_size=8),
+        tier=TierConfig(enabled=True, device_pages=8)))
+    with eng, pytest.raises(gj.errors.CacheExhausted, match="device_pages"):
+        eng.generate([i % 90 + 1 for i in range(300)], SamplingParams(max_new_tokens=2))
