@@ -200,6 +200,14 @@ class SparseConfig:
     attend to every page. `sparse_prefill` applies the same selection to prefill chunks (the
     chunk's own pages are always kept). When the budget covers the whole context every page is
     selected, so short contexts are never approximated.
+
+    `positions`: "true" keeps every key at its own position; "compact" (InfLLM-style length
+    extrapolation) re-positions the selected pages as if they were contiguous, ending at the query,
+    so every query-key distance stays within about `budget` tokens, the span a model trained on
+    short contexts knows (keys are re-rotated by the position change; the local pages keep their
+    true distances). Identical to "true" while the budget covers the context.
+    `score_queries`: how many of a sparse prefill chunk's queries score the pages (the last n; 0 =
+    all). Scoring costs chunk x pages x head_dim per chunk, which dominates at 10^6 tokens.
     """
 
     enabled: bool = False
@@ -211,8 +219,14 @@ class SparseConfig:
     dense_layers: int = 0
     digest_dtype: Optional[str] = None  # None: the cache dtype
     sparse_prefill: bool = False
+    positions: str = "true"
+    score_queries: int = 0
 
     def __post_init__(self):
+        _require(self.positions in ("true", "compact"),
+                 f"sparse.positions={self.positions!r} must be 'true' or 'compact'.")
+        _require(isinstance(self.score_queries, int) and self.score_queries >= 0,
+                 f"sparse.score_queries={self.score_queries!r} must be an integer >= 0 (0 = every query).")
         _require(self.digest in DIGEST_KINDS, f"sparse.digest={self.digest!r} must be one of {DIGEST_KINDS}.")
         _require(self.group_reduce in GROUP_REDUCE,
                  f"sparse.group_reduce={self.group_reduce!r} must be one of {GROUP_REDUCE}.")

@@ -79,7 +79,8 @@ class Engine:
             self.kv = KVCacheManager(self.config.num_pages, c.block_size, prefix_caching=c.prefix_caching)
             self.tiered = TieredKV(self)
             self.mesh = None
-            backend = paged_backend(model.cfg, "xla", None)  # unused: calls go through the runner
+            # Unused for calls (they go through the runner); built for its config checks.
+            backend = paged_backend(model.cfg, "xla", self.config.sparse)
         elif c.kind == "paged":
             self.kv = KVCacheManager(self.config.num_pages, c.block_size, prefix_caching=c.prefix_caching)
             self.k_pool, self.v_pool = PagedKV.create_pool(model.cfg, self.config.num_pages,

@@ -46,7 +46,7 @@ def test_key_value_recall_has_distinct_names():
     body = bytes(ex.prompt.astype(np.uint8)[1:]).decode("utf-8", "replace")
     assert body.count("# The pass key of ") == 4
     asked = body.rsplit("What is the pass key of ", 1)[1].split("?")[0]
-    assert f"The pass key of {asked} is {ex.answer}." in body
+    assert f"The pass key of {asked} is {tasks.MARK}{ex.answer}." in body
 
 
 def test_training_examples_weights():

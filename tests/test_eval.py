@@ -19,7 +19,7 @@ class OracleEngine:
         for p in prompts:
             text = bytes(t for t in p if t < 256).decode("utf-8", "replace")
             name = re.search(r"What is the pass key( of \w+)?\?", text).group(1) or ""
-            key = re.search(rf"The pass key{re.escape(name)} is (\d+)\. Remember", text).group(1)
+            key = re.search(rf"The pass key{re.escape(name)} is \x1e(\d+)\. Remember", text).group(1)
             outs.append(list(key.encode()) + [ord(".")])
         return SimpleNamespace(tokens=outs)
 

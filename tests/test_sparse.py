@@ -26,8 +26,12 @@ def test_budget_covering_context_equals_dense_paged(family):
     prompts = random_prompts(rng, cfg.vocab_size, (9, 60, 101))
     params = gj.SamplingParams(max_new_tokens=10, stop_at_eos=False)
     dense = _engine(model).generate(prompts, params, return_logits=True)
-    for sparse in (dict(enabled=True, budget=160), dict(enabled=True, budget=160, digest="mean",
-                                                         sparse_prefill=True, group_reduce="mean")):
+    compact = dict(enabled=True, budget=160, positions="compact", sparse_prefill=True, score_queries=4)
+    variants = [dict(enabled=True, budget=160), dict(enabled=True, budget=160, digest="mean",
+                                                     sparse_prefill=True, group_reduce="mean")]
+    if cfg.local_rope is None:  # compact positions re-rotate with the one rope a family has
+        variants.append(compact)  # every page selected: no page moves
+    for sparse in variants:
         out = _engine(model, sparse).generate(prompts, params, return_logits=True)
         assert out.tokens == dense.tokens
         for a, b in zip(out.logits, dense.logits):
@@ -140,3 +144,69 @@ def test_engine_pallas_sparse_matches_xla_sparse():
     for a, b in zip(outs[0].logits, outs[1].logits):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
     assert outs[0].stats["pages_selected"] == outs[1].stats["pages_selected"]
+
+
+def test_compact_shift_lays_selected_pages_side_by_side():
+    from gemini_jax.attention.select import compact_shift
+
+    rng = np.random.default_rng()
+    S, W = 8, 40
+    for _ in range(20):
+        last = int(rng.integers(6, W))
+        local = 2
+        picked = rng.choice(np.arange(1, last - local + 1), size=int(rng.integers(1, 5)), replace=False)
+        pages = np.unique(np.concatenate([[0], picked, np.arange(last - local + 1, last + 1)]))
+        sel = np.full((1, 1, len(pages) + 3), -1, np.int32)
+        sel[0, 0, :len(pages)] = pages
+        shift = compact_shift(sel, S)[0, 0, :len(pages)]
+        new_start = pages * S + shift
+        # Side by side, in order, and the local run (ending at the query's page) does not move.
+        np.testing.assert_array_equal(new_start, (np.arange(len(pages)) - len(pages) + 1 + last) * S)
+        assert (shift[-local:] == 0).all()
+        np.testing.assert_array_equal(np.asarray(compact_shift(jnp.asarray(sel), S))[0, 0, :len(pages)], shift)
+
+
+def test_page_shift_equals_keys_roped_at_the_new_position():
+    """Rotating a stored (roped) key by s is the key roped at p + s: attention sees the new distance."""
+    from gemini_jax.attention.sparse import sparse_attention
+    from gemini_jax.model import layers as L
+
+    rng = np.random.default_rng()
+    B, K, G, D, S, P, n = 1, 2, 2, 16, 4, 9, 3
+    inv = L.inv_frequencies(gj.RopeConfig(theta=10000.0), D)
+    k0 = rng.standard_normal((K, P, S, D)).astype(np.float32)  # un-roped keys, page p at positions p*S..
+    v = rng.standard_normal((K, P, S, D)).astype(np.float32)
+    q0 = rng.standard_normal((B, 1, K * G, D)).astype(np.float32)
+
+    def rope_keys(pos_of_page):
+        out = np.empty_like(k0)
+        for p in range(P):
+            pos = jnp.asarray(pos_of_page[p] * S + np.arange(S))[None]
+            cos, sin = L.rope_angles(pos, inv)
+            out[:, p] = np.asarray(L.apply_rope(jnp.asarray(k0[:, p].transpose(1, 0, 2))[None], cos, sin))[0].transpose(1, 0, 2)
+        return out
+
+    qpos = np.array([[P * S - 1]])
+    cos, sin = L.rope_angles(jnp.asarray(qpos), inv)
+    q = L.apply_rope(jnp.asarray(q0), cos, sin)
+    sel = np.array([[[1, 5, 8]] * K], np.int32)
+    shift = np.array([[[6, 2, 0]] * K], np.int32)  # pages 1, 5 move to 7, 7 (as a layout would not, but any s works)
+    bt = np.arange(P, dtype=np.int32)[None]
+    lengths = np.array([P * S])
+    kw = dict(scale=D ** -0.5)
+    got = sparse_attention(q, jnp.asarray(qpos), jnp.asarray(rope_keys(np.arange(P))), jnp.asarray(v), bt, lengths,
+                           jnp.asarray(sel), page_shift=jnp.asarray(shift * S), inv_freq=inv, **kw)
+    moved = np.arange(P).copy()
+    moved[1], moved[5] = 7, 7
+    want = sparse_attention(q, jnp.asarray(qpos), jnp.asarray(rope_keys(moved)), jnp.asarray(v), bt, lengths,
+                            jnp.asarray(sel), **kw)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
+    plain = sparse_attention(q, jnp.asarray(qpos), jnp.asarray(rope_keys(np.arange(P))), jnp.asarray(v), bt,
+                             lengths, jnp.asarray(sel), **kw)
+    assert np.max(np.abs(np.asarray(plain) - np.asarray(want))) > 1e-3  # the shift matters
+
+
+def test_compact_positions_refused_for_two_rope_families():
+    cfg = tiny_config("gemma3")
+    with pytest.raises(ConfigError, match="compact"):
+        _engine(random_model(cfg, 1), dict(enabled=True, budget=32, positions="compact"))

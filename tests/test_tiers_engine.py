@@ -134,3 +134,20 @@ def test_too_small_budget_is_cache_exhausted_not_wrong():
         tier=TierConfig(enabled=True, device_pages=8)))
     with eng, pytest.raises(gj.errors.CacheExhausted, match="device_pages"):
         eng.generate([i % 90 + 1 for i in range(300)], SamplingParams(max_new_tokens=2))
+
+
+def test_compact_positions_over_tiers_match_all_resident():
+    cfg = tiny_config("qwen2")
+    model = random_model(cfg, 8)
+    prompts = random_prompts(np.random.default_rng(), cfg.vocab_size, [210, 170])
+    sp = SparseConfig(enabled=True, budget=48, sink_pages=1, local_pages=1, positions="compact",
+                      sparse_prefill=True, score_queries=8)
+    base = dict(_base(True), sparse=sp)
+    ref = gj.Engine(model, EngineConfig(**base)).generate(prompts, GREEDY, return_logits=True)
+    tier = TierConfig(enabled=True, device_fraction=0.1, prefetch_depth=2, hot_threshold=0)
+    with gj.Engine(model, EngineConfig(**base, tier=tier)) as eng:
+        out = eng.generate(prompts, GREEDY, return_logits=True)
+    assert out.tokens == ref.tokens
+    for a, b in zip(out.logits, ref.logits):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+    assert out.stats["pages_fetched_host"] > 0

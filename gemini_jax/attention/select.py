@@ -65,7 +65,26 @@ def select_step(sp, digests_layer, q, q_pos, block_tables, *, block_size: int, w
     -> i32[B, K, k] logical pages. A prefill chunk's own pages come on top of the budget."""
     T = q.shape[1]
     dig = digests_layer[:, block_tables]  # [K, B, W, R, D]
-    scores = page_scores(sp.digest, q, jnp.swapaxes(dig, 0, 1), sp.group_reduce)
+    q_score = q[:, -sp.score_queries:] if 0 < sp.score_queries < T else q
+    scores = page_scores(sp.digest, q_score, jnp.swapaxes(dig, 0, 1), sp.group_reduce)
     k = sp.budget // block_size + (0 if T == 1 else T // block_size + 1)
     return select_pages(scores, q_pos[:, 0], q_pos[:, -1], block_size=block_size, k=k,
                         sink_pages=sp.sink_pages, local_pages=sp.local_pages, window=window)
+
+
+def compact_shift(selected, block_size: int):
+    """Position change per selected page [B, K, n] (tokens) for `positions="compact"`: the
+    selected pages, in order, are laid side by side ending at the query's page, whose position
+    (and that of every page contiguous with it at the end, the local window) is unchanged.
+
+    Column c holding logical page p moves by ((c - p) - (n_valid - 1 - last)) pages, where `last`
+    is the highest selected page. All pages selected -> all zeros. Works for numpy and jax arrays.
+    """
+    xp = jnp if isinstance(selected, jax.Array) else __import__("numpy")
+    n = selected.shape[-1]
+    col = xp.arange(n, dtype=xp.int32)
+    valid = selected >= 0
+    n_valid = xp.sum(valid, axis=-1, keepdims=True).astype(xp.int32)
+    last = xp.max(xp.where(valid, selected, -1), axis=-1, keepdims=True).astype(xp.int32)
+    shift = (col - selected) - (n_valid - 1 - last)
+    return (xp.where(valid, shift, 0) * block_size).astype(xp.int32)

@@ -9,12 +9,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from gemini_jax.model.layers import NEG_INF, softcap
+from gemini_jax.model.layers import NEG_INF, rope_angles, softcap
 
 
 def sparse_attention(q, q_pos, k_layer, v_layer, block_tables, lengths, selected, *, scale: float,
-                     cap=None, window=0, return_lse: bool = False):
+                     cap=None, window=0, return_lse: bool = False, page_shift=None, inv_freq=None):
     """q [B, T, H, D], q_pos [B, T], pools [K, P, S, D], selected i32[B, K, n] -> [B, T, H, D].
+
+    `page_shift` i32[B, K, n] (with the rope's `inv_freq`): move each selected page's keys by
+    that many positions before attending (rope rotations compose: rotating a key stored at
+    position p by s gives the key at p + s). Masks keep using the true positions.
 
     With return_lse, also the log-sum-exp of each query's (masked) logits, f32[B, T, H]: the
     weight with which this part merges with attention over other pages (`merge_parts`).
@@ -35,6 +39,12 @@ def sparse_attention(q, q_pos, k_layer, v_layer, block_tables, lengths, selected
     qg = q.reshape(B, T, K, H // K, D)
     kk = kk.reshape(B, K, n * S, D).astype(q.dtype)
     vv = vv.reshape(B, K, n * S, D).astype(q.dtype)
+    if page_shift is not None:
+        shift = jnp.repeat(page_shift, S, axis=-1)  # [B, K, nS]
+        cos, sin = rope_angles(shift, inv_freq)  # [B, K, nS, D] (rope_angles takes any leading shape)
+        half = D // 2
+        kf = kk.astype(jnp.float32)
+        kk = (kf * cos + jnp.concatenate([-kf[..., half:], kf[..., :half]], axis=-1) * sin).astype(q.dtype)
     s = jnp.einsum("btkgd,bksd->bkgts", qg, kk, preferred_element_type=jnp.float32) * scale
     s = softcap(s, cap)
     s = jnp.where(mask[:, :, None], s, NEG_INF)

@@ -13,9 +13,10 @@ import jax
 import jax.numpy as jnp
 
 from gemini_jax.attention import digests as D
-from gemini_jax.attention.select import select_step
+from gemini_jax.attention.select import compact_shift, select_step
 from gemini_jax.attention.sparse import sparse_attention
 from gemini_jax.config import ModelConfig, SparseConfig
+from gemini_jax.errors import ConfigError
 from gemini_jax.model import layers as L
 
 
@@ -70,6 +71,11 @@ def paged_backend(cfg: ModelConfig, impl: str = "xla", sparse: SparseConfig | No
     """
     windows = sorted(set(cfg.layer_windows))
     sp = sparse if sparse is not None and sparse.enabled else None
+    compact = sp is not None and sp.positions == "compact"
+    if compact and cfg.local_rope is not None:
+        raise ConfigError("sparse.positions='compact' re-rotates keys with the model's rope; this family has "
+                          "a second (local) rope, which is not supported: use positions='true'.")
+    inv_freq = L.inv_frequencies(cfg.rope, cfg.head_dim) if compact else None
 
     def attend(layer, q, k, v, q_pos, window, cache: PagedKV):
         k_pool, v_pool = write_pages(cache.k, cache.v, layer, k, v, q_pos, cache.block_tables,
@@ -111,7 +117,11 @@ def paged_backend(cfg: ModelConfig, impl: str = "xla", sparse: SparseConfig | No
         selected = select_step(sp, cache.digests[layer], q, q_pos, cache.block_tables,
                                block_size=cache.k.shape[3], window=window)
         reads = jnp.sum(selected >= 0).astype(jnp.int32)
-        if impl == "pallas" and T == 1:
+        if compact:  # the kernel keeps true positions: re-positioned keys take the XLA path
+            out = sparse_attention(q, q_pos, cache.k[layer], cache.v[layer], cache.block_tables, cache.lengths,
+                                   selected, scale=cfg.scale, cap=cfg.attn_softcap, window=window,
+                                   page_shift=compact_shift(selected, cache.k.shape[3]), inv_freq=inv_freq)
+        elif impl == "pallas" and T == 1:
             out = _pallas_sparse(q, cache.k[layer], cache.v[layer], cache, selected, window)
         else:
             out = sparse_attention(q, q_pos, cache.k[layer], cache.v[layer], cache.block_tables,

@@ -15,8 +15,13 @@ import numpy as np
 from gemini_jax.tokenizer import ByteTokenizer
 
 BOS = ByteTokenizer.BOS
-NEEDLE = "\n# The pass key{of} is {key}. Remember it.\n"
-QUESTION = "\n# What is the pass key{of}? The pass key{of} is "
+# MARK (a byte that never occurs in the corpus) precedes the key in the needle and ends the
+# question: at byte level, "is " alone matches hundreds of earlier places, so retrieval would need
+# a multi-byte prefix match; with the marker one-token induction (find the earlier MARK, copy what
+# follows) suffices, which a small model learns far sooner.
+MARK = "\x1e"
+NEEDLE = "\n# The pass key{of} is " + MARK + "{key}. Remember it.\n"
+QUESTION = "\n# What is the pass key{of}? The pass key{of} is " + MARK
 KEY_DIGITS = 5
 
 

@@ -33,10 +33,11 @@ import numpy as np
 from flax import nnx
 
 from gemini_jax.attention import digests as D
-from gemini_jax.attention.select import select_step
+from gemini_jax.attention.select import compact_shift, select_step
 from gemini_jax.attention.sparse import merge_parts, sparse_attention
 from gemini_jax.cache.paged import write_pages
 from gemini_jax.errors import CacheExhausted
+from gemini_jax.model import layers as L
 from gemini_jax.tiers.errors import TierError
 from gemini_jax.tiers.page import PageSpec
 from gemini_jax.tiers.prefetch import Predictor, Prefetcher
@@ -101,9 +102,10 @@ def _read(k_slots, v_slots, layer, slots):
 
 @functools.partial(jax.jit, static_argnames=("scale", "cap"))
 def _attend(q, positions, k_slots, v_slots, layer, slot_table, lengths, selected, window, acc, acc_lse,
-            *, scale, cap):
+            page_shift=None, inv_freq=None, *, scale, cap):
     out, lse = sparse_attention(q, positions, k_slots[layer], v_slots[layer], slot_table, lengths, selected,
-                                scale=scale, cap=cap, window=window, return_lse=True)
+                                scale=scale, cap=cap, window=window, return_lse=True, page_shift=page_shift,
+                                inv_freq=inv_freq)
     return merge_parts(acc, acc_lse, out, lse)
 
 
@@ -235,6 +237,7 @@ class TieredRunner:
         self.t: TieredKV = eng.tiered
         self.ids = [next(eng._seq_ids) for _ in range(B)]
         self.window = eng.model_cfg.max_window
+        self.inv_freq = jnp.asarray(L.inv_frequencies(eng.model_cfg.rope, eng.model_cfg.head_dim))
 
     # ---- the engine's runner interface --------------------------------------------------------
     def prefill(self, row, toks):
@@ -337,18 +340,22 @@ class TieredRunner:
                                          pos_d, slot_table, bt_d, ends_d)
             t.put_below(layer, fill_pages_ids)
             # Which pages the queries read.
+            shift = None
             if sp.enabled and layer >= sp.dense_layers and (T == 1 or sp.sparse_prefill):
                 selected = np.asarray(_select(t.digests, lyr, q, pos_d, bt_d, jnp.int32(window), sp=sp,
                                               block_size=S))
+                if sp.positions == "compact":  # from the whole selection, before it splits into groups
+                    shift = compact_shift(selected, S)
             else:
                 selected = self._dense_needed(bt, positions, ends, window)
             reads += int(np.sum(selected >= 0)) * (cfg.num_kv_heads if selected.shape[1] == 1 else 1)
             if selected.shape[1] == 1:
                 selected = np.broadcast_to(selected, (B, cfg.num_kv_heads, selected.shape[2]))
             if decode:
-                t.hot.record((layer, int(bt[b, p])) for b in range(B) for p in np.unique(selected[b]) if p >= 0)
+                t.hot.record((layer, int(bt[b, p])) for b in range(B) for p in np.unique(selected[b])
+                             if p >= 0 and bt[b, p] != 0)
             t.predictor.observe(layer, bt, selected, ends)
-            out = self._attend_groups(layer, q, pos_d, bt, ends_d, selected, window)
+            out = self._attend_groups(layer, q, pos_d, bt, ends_d, selected, window, shift)
             t.prefetcher.schedule(key for key in t.predictor.predict(layer)
                                   if key in t.below and t.page_to_slot[key] == 0)
             h = _finish(e.graphdef, e.params, lyr, h, out)
@@ -378,15 +385,18 @@ class TieredRunner:
             out[b, 0, :len(r)] = r
         return out
 
-    def _attend_groups(self, layer, q, pos_d, bt, ends_d, selected, window):
-        """Attention over `selected` [B, K, n] in column groups whose pages fit the free slots."""
+    def _attend_groups(self, layer, q, pos_d, bt, ends_d, selected, window, shift=None):
+        """Attention over `selected` [B, K, n] in column groups whose pages fit the free slots
+        (`shift` [B, K, n]: compact positions' per-page position change, or None)."""
         t, cfg = self.t, self.eng.model_cfg
         B, K, n = selected.shape
         pinned = {p for (l, p) in t.slots._pinned if l == layer and t.page_to_slot[l, p] != 0}  # resident pins
 
         def pages_of(cols):
             s = selected[:, :, cols]
-            return {int(bt[b, p]) for b in range(B) for p in np.unique(s[b]) if p >= 0}
+            # Page id 0 is the null page (a padded prefill chunk may select past the sequence's
+            # end): its slot 0 holds zeros, masked by the lengths, and it is never admitted.
+            return {int(bt[b, p]) for b in range(B) for p in np.unique(s[b]) if p >= 0} - {0}
 
         # The largest power-of-two split of the columns whose every group fits.
         groups = 1
@@ -407,11 +417,15 @@ class TieredRunner:
         for cols, pages in zip(parts, sets):
             t.admit(layer, sorted(pages), fetch=True)
             sel = selected[:, :, cols]
+            sh = None if shift is None else shift[:, :, cols]
             if len(parts) > 1:  # pad to a power of two: few shapes compile
-                w = _pow2(sel.shape[2])
-                sel = np.pad(sel, ((0, 0), (0, 0), (0, w - sel.shape[2])), constant_values=-1)
+                pad = ((0, 0), (0, 0), (0, _pow2(sel.shape[2]) - sel.shape[2]))
+                sel = np.pad(sel, pad, constant_values=-1)
+                sh = None if sh is None else np.pad(sh, pad)
             slot_table = jnp.asarray(t.page_to_slot[layer][bt])
             acc, acc_lse = _attend(q, pos_d, t.k, t.v, jnp.int32(layer), slot_table, ends_d, jnp.asarray(sel),
-                                   jnp.int32(window), acc, acc_lse, scale=cfg.scale, cap=cfg.attn_softcap)
+                                   jnp.int32(window), acc, acc_lse,
+                                   None if sh is None else jnp.asarray(sh), None if sh is None else self.inv_freq,
+                                   scale=cfg.scale, cap=cfg.attn_softcap)
         return acc
 
