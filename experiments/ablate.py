@@ -14,11 +14,11 @@ through `Engine.score`. It logs config, counters and metrics to wandb (offline u
 or `wandb.mode` says otherwise; WANDB_MODE wins) and writes one JSON, keyed by the swept value,
 into the sweep directory and into `<results_dir>/ablations/<experiment.name>/<sweep id>/`.
 
-NOTE prefetch: the tiered cache with predictive prefetch is not in the engine yet. A job accepts
-and records `experiment.prefetch_depth`; it is applied only when the composed engine config has
-`tier.prefetch_depth` with the tier enabled. Otherwise it is NOT applied: the JSON says
-`"prefetch": {"applied": false}` with the reason, the log warns, the wandb run is tagged
-`prefetch-not-implemented`, and the report says so above its table. Nothing is simulated.
+NOTE prefetch: `experiment.prefetch_depth` is applied as `engine.tier.prefetch_depth`, and counts
+as applied only with the tier enabled (ablate_prefetch_depth enables it). With the tier off every
+page is device-resident and nothing is fetched: the JSON then says `"prefetch": {"applied": false}`
+with the reason, the log warns, the wandb run is tagged `prefetch-not-applied`, and the report
+says so above its table. Nothing is simulated.
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ register()
 ROOT = os.path.dirname(HERE)
 log = logging.getLogger("ablate")
 
-PREFETCH_NOTE = ("prefetch_depth={depth} is recorded but NOT APPLIED: the tiered KV cache with "
-                 "predictive prefetch is not implemented yet (every page stays device-resident), "
+PREFETCH_NOTE = ("prefetch_depth={depth} is recorded but NOT APPLIED: this engine config has no "
+                 "tier section (every page stays device-resident), "
                  "so no metric of this job depends on it.")
 
 
@@ -173,7 +173,11 @@ def decode_timing(eng: gj.Engine, tok, text: np.ndarray, w: dict, seed: int) -> 
             "kv_bytes_valid_per_token": valid / max(steps, 1),
             "kv_read_overhead": stats["kv_bytes_read"] / max(valid, 1),
             "digest_bytes_read_per_token": stats["digest_bytes_read"] / max(steps, 1),
-            "pages_selected_per_token": stats["pages_selected"] / max(steps, 1)}
+            "pages_selected_per_token": stats["pages_selected"] / max(steps, 1),
+            "prefetch_hit_rate": (stats["prefetch_hits"] / (stats["prefetch_hits"] + stats["prefetch_misses"])
+                                  if stats["prefetch_hits"] + stats["prefetch_misses"] else None),
+            "pages_fetched_per_token": (stats["pages_fetched_host"] + stats["pages_fetched_disk"]) / max(steps, 1),
+            "stall_ms_per_token": 1e3 * stats["stall_seconds"] / max(steps, 1)}
 
 
 def run_workload(eng: gj.Engine, tok, w: dict, seed: int, byte_level: bool) -> dict:
@@ -220,7 +224,7 @@ def log_wandb(cfg: DictConfig, record: dict) -> dict:
     wandb_dir = os.path.join(ROOT, cfg.wandb.dir)  # an absolute cfg.wandb.dir stays as it is
     os.makedirs(wandb_dir, exist_ok=True)
     sw, pf = record["sweep"], record["prefetch"]
-    tags = ["ablation", sw["name"]] + (["prefetch-not-implemented"] if pf["depth"] is not None and not pf["applied"] else [])
+    tags = ["ablation", sw["name"]] + (["prefetch-not-applied"] if pf["depth"] is not None and not pf["applied"] else [])
     tags += ["random-init-model"] if not record["model"]["trained"] else []
     run = wandb.init(project=cfg.wandb.project, dir=wandb_dir, mode=mode, job_type="ablation",
                      group=f"{sw['name']}/{sw['id']}", name=f"{sw['name']}:{sw['key']}", tags=tags,
@@ -279,6 +283,8 @@ def main(cfg: DictConfig) -> dict:
         "kv_bytes_valid_per_token": d["kv_bytes_valid_per_token"], "kv_read_overhead": d["kv_read_overhead"],
         "digest_bytes_read_per_token": d["digest_bytes_read_per_token"],
         "pages_selected_per_token": d["pages_selected_per_token"],
+        "prefetch_hit_rate": d["prefetch_hit_rate"], "pages_fetched_per_token": d["pages_fetched_per_token"],
+        "stall_ms_per_token": d["stall_ms_per_token"],
         "needle_accuracy": res["needle"]["accuracy"], "bits_per_byte": res["bits_per_byte"]["bits_per_byte"],
     }
     record = {
@@ -289,7 +295,10 @@ def main(cfg: DictConfig) -> dict:
         "engine_effective": {"max_seq_len": ecfg.max_seq_len, "num_pages": ecfg.num_pages,
                              "pages_per_seq": ecfg.pages_per_seq, "block_size": ecfg.cache.block_size,
                              "cache_kind": ecfg.cache.kind, "sparse": ecfg.sparse.enabled,
-                             "attention_impl": ecfg.attention_impl},
+                             "attention_impl": ecfg.attention_impl, "tier": ecfg.tier.enabled,
+                             "prefetch_depth": ecfg.tier.prefetch_depth,
+                             "device_slots_per_layer": (ecfg.tier.device_slots(ecfg.num_pages)
+                                                        if ecfg.tier.enabled else None)},
         "workload": w, "metrics": metrics,
         "stats": {"decode": d["stats"], "needle": res["needle"].get("stats", {}),
                   "bits_per_byte": res["bits_per_byte"].get("stats", {}), "total": dict(eng.stats)},
@@ -310,7 +319,7 @@ def main(cfg: DictConfig) -> dict:
              "-" if metrics["bits_per_byte"] is None else f"{metrics['bits_per_byte']:.3f}",
              "" if trained else "  [RANDOM-INIT model: accuracy and bits/byte are meaningless]")
     if prefetch["depth"] is not None and not prefetch["applied"]:
-        log.warning("NOTE: prefetch not implemented; prefetch_depth=%d had no effect on these numbers",
+        log.warning("NOTE: prefetch not applied (no tiers); prefetch_depth=%d had no effect on these numbers",
                     prefetch["depth"])
     log.info("wrote %s", " and ".join(paths))
     return metrics

@@ -32,6 +32,9 @@ EXTRA_COLUMNS = [
     ("prefill_tokens_per_s", "prefill tokens/s", "{:.0f}"),
     ("kv_read_overhead", "KV read / valid", "{:.2f}"),
     ("digest_bytes_read_per_token", "digest bytes / token", "{:,.0f}"),
+    ("prefetch_hit_rate", "prefetch hit rate", "{:.2f}"),
+    ("pages_fetched_per_token", "pages fetched / token", "{:.1f}"),
+    ("stall_ms_per_token", "stall ms / token", "{:.2f}"),
 ]
 
 
@@ -82,8 +85,8 @@ def notes(records: list[dict]) -> list[str]:
     out = []
     first = records[0]
     if any(r["prefetch"]["depth"] is not None and not r["prefetch"]["applied"] for r in records):
-        out.append("**Prefetch is NOT implemented yet**: `prefetch_depth` was recorded but not applied "
-                   "(every KV page is device-resident, nothing is prefetched), so differences between "
+        out.append("**Prefetch NOT applied**: `prefetch_depth` was recorded but the engine ran without "
+                   "tiers (every KV page device-resident, nothing fetched), so differences between "
                    "rows are run-to-run noise, not an effect of the knob.")
     if any(not r["model"]["trained"] for r in records):
         out.append(f"**Model: {first['model']['description']}** — needle accuracy and bits/byte of a "
@@ -144,7 +147,7 @@ def plots(records: list[dict], out_dir: str) -> dict:
     log2 = numeric and min(values) > 0 and max(values) / min(values) >= 8
     caveat = ""
     if any(r["prefetch"]["depth"] is not None and not r["prefetch"]["applied"] for r in records):
-        caveat = "prefetch NOT implemented: knob not applied"
+        caveat = "prefetch NOT applied: no tiers"
     elif any(not r["model"]["trained"] for r in records):
         caveat = "random-init model"
 

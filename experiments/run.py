@@ -137,7 +137,105 @@ def run_perplexity(cfg, model, tok, desc):
     return {"stats": eng.stats, **result}
 
 
-EXPERIMENTS = {"generate": run_generate, "needle": run_needle, "perplexity": run_perplexity}
+def run_fullstack(cfg, model, tok, desc):
+    """Needle in a long context through paged + sparse + tiered; then interrupt, snapshot, resume."""
+    import shutil
+    import tempfile
+
+    from gemini_jax.data import tasks
+    from gemini_jax.eval.needle import is_correct
+
+    ex = cfg.experiment
+    length = int(ex.length)
+    answer_len = tasks.KEY_DIGITS + 1
+    # The pool is sized for this prompt, so the device fraction is a fraction of this context's KV.
+    ecfg = gj.config.replace(build(EngineConfig, cfg.engine), max_seq_len=length + 64)
+    if ecfg.tier.enabled:  # a prefill chunk's pages must fit the device slots beside the pins
+        S = ecfg.cache.block_size
+        cap = max(S, ecfg.tier.device_slots(ecfg.num_pages) * S // 4)
+        chunk = ecfg.prefill_chunk
+        while chunk > cap:
+            chunk //= 2
+        if chunk != ecfg.prefill_chunk:
+            print(f"engine.prefill_chunk lowered from {ecfg.prefill_chunk} to {chunk}: a chunk's pages must fit "
+                  f"a quarter of the {ecfg.tier.device_slots(ecfg.num_pages)} device slots per layer")
+            ecfg = gj.config.replace(ecfg, prefill_chunk=chunk)
+    e = model.cfg
+    example = tasks.needle_example(_haystack(ex.haystack), length, float(ex.depth), np.random.default_rng(cfg.seed))
+    print(f"model: {desc}")
+    print(f"needle: key {example.answer} at token {example.needle_at:,} of {length:,} (depth {float(ex.depth)})")
+
+    # 1. The question, through every layer of the cache.
+    greedy = SamplingParams(max_new_tokens=answer_len, temperature=0.0)
+    with gj.Engine(model, ecfg) as eng:
+        t0 = time.perf_counter()
+        out = eng.generate(example.prompt, greedy)
+        wall = time.perf_counter() - t0
+        tier = eng.tier_stats()
+    answer = tok.decode(out.tokens)
+    ok = is_correct(answer, example.answer)
+    print(f"answer {answer!r}: {'correct' if ok else 'WRONG'} (prefill {out.seconds['prefill']:.1f} s); "
+          f"now interrupt / snapshot / resume ...", flush=True)
+    st = out.stats
+    steps = max(st["decode_steps"], 1)
+    per_token_kv = 2 * e.num_layers * e.num_kv_heads * e.head_dim * np.dtype(e.dtype).itemsize
+    dense_bytes = (length + answer_len / 2) * per_token_kv  # a dense step reads every token's KV
+    read = (st["kv_bytes_read"] + st["digest_bytes_read"]) / steps
+    kv_total = length * per_token_kv
+    hits, misses = st["prefetch_hits"], st["prefetch_misses"]
+
+    # 2. Interrupt, snapshot, resume (sessions run on the paged + sparse cache, all pages on device).
+    scfg = gj.config.replace(ecfg, tier=gj.config.TierConfig())
+    snap_dir = ex.snapshot_dir or tempfile.mkdtemp(prefix="gj_fullstack_")
+    instr = tok.encode(str(ex.instruction))
+    try:
+        eng2 = gj.Engine(model, scfg)
+        t0 = time.perf_counter()
+        sess = eng2.start(example.prompt, SamplingParams(max_new_tokens=int(ex.interrupt_after) + answer_len,
+                                                         temperature=0.0))
+        prefill_s = time.perf_counter() - t0
+        first = []
+        for t in sess:
+            first.append(t)
+            if len(first) == int(ex.interrupt_after):
+                sess.interrupt()
+        path = os.path.join(snap_dir, "snap")
+        sess.snapshot(path)
+        sess.close()
+        del eng2
+        eng3 = gj.Engine(model, scfg)
+        t0 = time.perf_counter()
+        resumed = eng3.resume(path, instr, params=greedy)
+        resume_s = time.perf_counter() - t0
+        after = list(resumed)
+        resumed.close()
+    finally:
+        if not ex.snapshot_dir:
+            shutil.rmtree(snap_dir, ignore_errors=True)
+    again = tok.decode(after)
+    rows = [("answer", f"{answer!r} (key {example.answer})"), ("correct", "yes" if ok else "NO"),
+            ("prefill s", f"{out.seconds['prefill']:.1f}"),
+            ("decode tokens/s (incl. compile)", f"{(len(out.tokens) - 1) / max(out.seconds['decode'], 1e-9):.1f}"),
+            ("KV bytes read / token", f"{read:,.0f} = {100 * read / dense_bytes:.1f}% of dense"),
+            ("device-tier share of KV", f"{100 * tier['kv_bytes_device'] / kv_total:.1f}% "
+                                        f"({tier['device_slots_per_layer']} slots / layer)"),
+            ("prefetch hit rate", f"{100 * hits / (hits + misses):.1f}% ({hits}/{hits + misses})" if hits + misses
+             else "- (no page left the device)"),
+            ("interrupted after", f"{first!r} -> {tok.decode(first)!r}"),
+            ("after resume + instruction", f"{again!r} ({'correct' if is_correct(again, example.answer) else 'wrong'})"),
+            ("resume s vs prefill s", f"{resume_s:.2f} vs {prefill_s:.1f} ({prefill_s / max(resume_s, 1e-9):.0f}x; "
+                                      f"a re-prefill has more tokens than this prefill)"),
+            ("wall s (tiered run, incl. compile)", f"{wall:.1f}")]
+    print("-" * 72)
+    for k, v in rows:
+        print(f"{k:<36}{v}")
+    return {"answer": answer, "correct": ok, "key": example.answer, "length": length, "stats": st,
+            "tier": tier, "resume_seconds": resume_s, "prefill_seconds_session": prefill_s,
+            "after_resume": again, "kv_read_fraction_of_dense": read / dense_bytes, "model": desc}
+
+
+EXPERIMENTS = {"generate": run_generate, "needle": run_needle, "perplexity": run_perplexity,
+               "fullstack": run_fullstack}
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="config")

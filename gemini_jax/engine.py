@@ -343,7 +343,7 @@ class _PagedRunner:
 
     def _call(self, ids, tokens, positions, lengths, select):
         e = self.eng
-        width = _table_width(max(len(e.kv.seqs[s].pages) for s in ids), e.config.pages_per_seq)
+        width = _call_width(e, ids, tokens.shape[1])
         cache = PagedKV(e.k_pool, e.v_pool, jnp.asarray(e.kv.block_tables(ids, width)),
                         jnp.asarray(lengths, jnp.int32), e.digests, jnp.zeros((), jnp.int32))
         tokens, positions = jnp.asarray(tokens), jnp.asarray(positions)
@@ -408,6 +408,16 @@ class _PagedRunner:
         for sid in self.ids:
             if sid in self.eng.kv.seqs:
                 self.eng.kv.free(sid)
+
+
+def _call_width(eng, ids, T: int) -> int:
+    """Block-table width of a call. Sparse prefill chunks all take the longest sequence's width:
+    they read only the selected pages (and score every page from its small digest), so one
+    compiled shape serves the whole prompt instead of one per width step."""
+    c = eng.config
+    if T > 1 and c.sparse.enabled and c.sparse.sparse_prefill:
+        return c.pages_per_seq
+    return _table_width(max(len(eng.kv.seqs[s].pages) for s in ids), c.pages_per_seq)
 
 
 def _table_width(pages: int, cap: int) -> int:

@@ -38,10 +38,10 @@ def sandbox_env(tmp) -> dict:
     return env
 
 
-def run_sweep(tmp, experiment: str, sweep: str) -> subprocess.CompletedProcess:
+def run_sweep(tmp, experiment: str, sweep: str, *extra: str) -> subprocess.CompletedProcess:
     """`ablate.py --multirun experiment=<experiment> <sweep>` at tiny size; sweep dir tmp/sweep,
     results under tmp/results, wandb under tmp/wandb."""
-    cmd = [sys.executable, ABLATE, "--multirun", f"experiment={experiment}", sweep, *TINY_WORKLOAD,
+    cmd = [sys.executable, ABLATE, "--multirun", f"experiment={experiment}", sweep, *TINY_WORKLOAD, *extra,
            f"hydra.sweep.dir={tmp / 'sweep'}", f"results_dir={tmp / 'results'}", f"wandb.dir={tmp / 'wandb'}"]
     proc = subprocess.run(cmd, cwd=ROOT, env=sandbox_env(tmp), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}"
@@ -138,19 +138,29 @@ def test_block_size_multirun_and_report(tmp_path_factory):
     assert os.path.exists(os.path.join(copies[0], "REPORT.md"))
 
 
-def test_prefetch_depth_is_recorded_and_marked_not_applied(tmp_path):
-    proc = run_sweep(tmp_path, "ablate_prefetch_depth", "experiment.prefetch_depth=0,2")
+def test_prefetch_depth_sweep_runs_over_tiers(tmp_path):
+    # 10 device slots per layer for a 16-page decode context (and 2 needle sequences of 8): pages leave the device.
+    run_sweep(tmp_path, "ablate_prefetch_depth", "experiment.prefetch_depth=0,2", "engine.tier.device_pages=10",
+              "engine.prefill_chunk=32", "engine.sparse.budget=48", "experiment.workload.prompt_tokens=256")
     jobs = load_jobs(tmp_path / "sweep")
     assert sorted(jobs) == [0, 2]
     for depth, rec in jobs.items():
-        assert rec["prefetch"]["depth"] == depth and rec["prefetch"]["applied"] is False
-        assert "NOT APPLIED" in rec["prefetch"]["note"]
-        assert rec["stats"]["decode"]["prefetch_hits"] == rec["stats"]["decode"]["prefetch_misses"] == 0
-    logs = glob.glob(str(tmp_path / "sweep" / "*" / "ablate.log"))
-    assert len(logs) == 2 and all("NOT APPLIED" in open(p).read() for p in logs)
-    assert "NOT APPLIED" in proc.stdout + proc.stderr
+        assert rec["prefetch"]["depth"] == depth and rec["prefetch"]["applied"] is True
+        assert rec["engine_effective"]["prefetch_depth"] == depth and rec["engine_effective"]["tier"]
+    total = {d: rec["stats"]["total"] for d, rec in jobs.items()}
+    assert total[0]["pages_fetched_host"] > 0 and total[0]["prefetch_hits"] == 0
+    assert total[2]["prefetch_hits"] > 0
     run_report(tmp_path / "sweep")
-    assert "Prefetch is NOT implemented yet" in (tmp_path / "sweep" / "REPORT.md").read_text()
+    md = (tmp_path / "sweep" / "REPORT.md").read_text()
+    assert "prefetch hit rate" in md and "NOT applied" not in md
+
+
+def test_prefetch_depth_without_tiers_is_marked_not_applied(tmp_path):
+    proc = run_sweep(tmp_path, "ablate_prefetch_depth", "experiment.prefetch_depth=0,2", "engine.tier.enabled=false")
+    jobs = load_jobs(tmp_path / "sweep")
+    for depth, rec in jobs.items():
+        assert rec["prefetch"]["applied"] is False and "NOT APPLIED" in rec["prefetch"]["note"]
+    assert "NOT APPLIED" in proc.stdout + proc.stderr
 
 
 def test_ablate_refuses_a_non_ablation_experiment(tmp_path):

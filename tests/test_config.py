@@ -70,7 +70,7 @@ def test_hardware_presets(hw):
 def test_hydra_override_type_checked():
     register()
     with initialize_config_dir(config_dir=CONF, version_base=None):
-        cfg = compose(config_name="config", overrides=["engine.max_seq_len=123"])
+        cfg = compose(config_name="config", overrides=["experiment=generate", "engine.max_seq_len=123"])
         assert build(EngineConfig, cfg.engine).max_seq_len == 123
         with pytest.raises(Exception, match="max_seq_len"):
             compose(config_name="config", overrides=["engine.max_seq_len=lots"])

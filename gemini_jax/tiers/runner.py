@@ -303,9 +303,9 @@ class TieredRunner:
         e, t = self.eng, self.t
         cfg, sp = e.model_cfg, e.config.sparse
         S, L = t.S, cfg.num_layers
-        from gemini_jax.engine import _table_width
+        from gemini_jax.engine import _call_width
 
-        width = _table_width(max(len(e.kv.seqs[s].pages) for s in ids), e.config.pages_per_seq)
+        width = _call_width(e, ids, tokens.shape[1])
         bt = e.kv.block_tables(ids, width)  # page ids, 0 = null
         self._pins(bt, starts, ends)
         B, T = tokens.shape
