@@ -36,6 +36,7 @@ from gemini_jax.attention import digests as D
 from gemini_jax.attention.select import compact_shift, select_step
 from gemini_jax.attention.sparse import merge_parts, sparse_attention
 from gemini_jax.cache.paged import write_pages
+from gemini_jax.engine import _call_width
 from gemini_jax.errors import CacheExhausted
 from gemini_jax.model import layers as L
 from gemini_jax.tiers.errors import TierError
@@ -229,6 +230,10 @@ class TieredKV:
         self.stack.close()
 
 
+def t_digest_itemsize(t: TieredKV) -> int:
+    return 0 if t.digests is None else t.digests.dtype.itemsize
+
+
 class TieredRunner:
     """Sequences of one `generate` batch, run layer by layer over `TieredKV`."""
 
@@ -258,9 +263,10 @@ class TieredRunner:
         return logits
 
     def decode(self, nxt, lengths):
-        e = self.eng
+        e, t = self.eng, self.t
         for sid, n in zip(self.ids, lengths):
             self._reserve(sid, int(n) + 1)
+        width = _call_width(e, self.ids, 1)  # the call's block-table width (digests scored)
         logits, reads = self._call(self.ids, nxt[:, None], lengths[:, None], np.asarray(lengths),
                                    np.asarray(lengths) + 1, np.zeros(len(self.ids), np.int32), decode=True)
         for sid, tok in zip(self.ids, nxt):
@@ -268,8 +274,13 @@ class TieredRunner:
             self._drop_window(sid)
         cfg, S = e.model_cfg, e.config.cache.block_size
         self.stats["kv_bytes_read"] += reads * 2 * S * cfg.head_dim * e.cache_dtype.itemsize
-        if e.config.sparse.enabled:
+        sp = e.config.sparse
+        if sp.enabled:
             self.stats["pages_selected"] += reads
+            # Selection scored every page of the block table in every sparse layer, from digests.
+            self.stats["digest_bytes_read"] += (max(cfg.num_layers - sp.dense_layers, 0) * len(self.ids) * width
+                                                * cfg.num_kv_heads * D.ROWS[sp.digest] * cfg.head_dim
+                                                * t_digest_itemsize(self.t))
         return logits
 
     def close(self):
@@ -303,8 +314,6 @@ class TieredRunner:
         e, t = self.eng, self.t
         cfg, sp = e.model_cfg, e.config.sparse
         S, L = t.S, cfg.num_layers
-        from gemini_jax.engine import _call_width
-
         width = _call_width(e, ids, tokens.shape[1])
         bt = e.kv.block_tables(ids, width)  # page ids, 0 = null
         self._pins(bt, starts, ends)

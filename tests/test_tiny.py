@@ -1,0 +1,83 @@
+"""The shipped small model's packaging: `gj.load_tiny()` checks the card's sha256 and the weights'
+shapes, so a corrupt or mismatched checkpoint is a `CheckpointError`, never a silently wrong model."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+import gemini_jax as gj
+from gemini_jax import tiny
+from gemini_jax.errors import CheckpointError
+from gemini_jax.weights import save_safetensors
+from helpers import random_model, tiny_config
+
+
+@pytest.fixture
+def asset(tmp_path):
+    """An asset directory laid out as experiments/export_tiny.py writes it (random weights)."""
+    d = tmp_path / "tiny"
+    model = random_model(tiny_config("tiny", vocab_size=259), int(np.random.default_rng().integers(1000)))
+    save_safetensors(model, d)
+    card = {"name": "test", "step": 0, "weights_sha256": tiny.sha256_file(str(d / "model.safetensors"))}
+    (d / "card.json").write_text(json.dumps(card))
+    return d, model
+
+
+def test_round_trip(asset):
+    d, model = asset
+    loaded = tiny.load_tiny(str(d))
+    toks = list(np.random.default_rng().integers(0, 256, 20))
+    np.testing.assert_array_equal(np.asarray(gj.forward(loaded, toks)), np.asarray(gj.forward(model, toks)))
+
+
+def test_corrupt_weights_file(asset):
+    d, _ = asset
+    f = d / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-5] ^= 0x01  # one bit of one weight
+    f.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="sha256"):
+        tiny.load_tiny(str(d))
+
+
+def test_missing_or_broken_card(asset):
+    d, _ = asset
+    (d / "card.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        tiny.load_tiny(str(d))
+    os.remove(d / "card.json")
+    with pytest.raises(CheckpointError, match="card.json missing"):
+        tiny.load_tiny(str(d))
+
+
+def test_mismatched_config(asset):
+    d, _ = asset
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["hidden_size"] = cfg["hidden_size"] * 2  # weights of one shape, a config of another
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="shape"):
+        tiny.load_tiny(str(d))
+
+
+@pytest.mark.skipif(not tiny.available(), reason="no shipped tiny model in this checkout")
+def test_shipped_model_loads_and_fits_the_size_limit(tmp_path):
+    size = sum(os.path.getsize(os.path.join(tiny.ASSET_DIR, f)) for f in os.listdir(tiny.ASSET_DIR))
+    assert size <= 20 * 2**20, size
+    card = tiny.card()
+    assert card["eval"]["heldout_bits_per_byte"]["bits_per_byte"] < card["eval"]["unigram_bits_per_byte"]
+    model = gj.load_tiny()
+    assert model.cfg.vocab_size == 259
+    # A copy with one flipped byte is refused.
+    bad = tmp_path / "tiny"
+    shutil.copytree(tiny.ASSET_DIR, bad)
+    f = bad / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    f.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError):
+        tiny.load_tiny(str(bad))
