@@ -144,6 +144,9 @@ class TieredKV:
         self.hot = HotZone(tc, L)
         self.below: set = set()
         self.np_dtype = self.spec.np_dtype
+        # Device scalars made once: creating one per layer per call is a dispatch each time.
+        self.layer_ids = [jnp.int32(layer) for layer in range(L)]
+        self.windows = [jnp.int32(w) for w in cfg.layer_windows]
 
     # ---- residency ---------------------------------------------------------------------------
     def forget(self, pages) -> None:
@@ -192,7 +195,7 @@ class TieredKV:
             vs += [vs[0]] * pad
         idx = np.full(n, self.n_slots + 1, np.int32)
         idx[:len(slots)] = slots
-        self.k, self.v = _fill(self.k, self.v, jnp.int32(layer), jnp.asarray(idx),
+        self.k, self.v = _fill(self.k, self.v, self.layer_ids[layer], jnp.asarray(idx),
                                jnp.asarray(np.stack(ks)), jnp.asarray(np.stack(vs)))
 
     def put_below(self, layer: int, pages) -> None:
@@ -203,7 +206,7 @@ class TieredKV:
         n = _pow2(len(pages))
         idx = np.zeros(n, np.int32)
         idx[:len(pages)] = self.page_to_slot[layer, pages]
-        k, v = _read(self.k, self.v, jnp.int32(layer), jnp.asarray(idx))
+        k, v = _read(self.k, self.v, self.layer_ids[layer], jnp.asarray(idx))
         k, v = np.asarray(k), np.asarray(v)
         for i, p in enumerate(pages):
             key = (layer, p)
@@ -333,7 +336,7 @@ class TieredRunner:
         fill_pages_ids = sorted({int(bt[b, p]) for b in range(B) for p in filled[b]})
         h = _embed(e.graphdef, e.params, tokens_d)
         for layer in range(L):
-            lyr = jnp.int32(layer)
+            lyr = t.layer_ids[layer]
             window = int(windows[layer])
             q, k, v = _qkv(e.graphdef, e.params, lyr, h, pos_d)
             # The pages written here: fresh ones need no fetch; a continued partial page is pinned.
@@ -351,7 +354,7 @@ class TieredRunner:
             # Which pages the queries read.
             shift = None
             if sp.enabled and layer >= sp.dense_layers and (T == 1 or sp.sparse_prefill):
-                selected = np.asarray(_select(t.digests, lyr, q, pos_d, bt_d, jnp.int32(window), sp=sp,
+                selected = np.asarray(_select(t.digests, lyr, q, pos_d, bt_d, t.windows[layer], sp=sp,
                                               block_size=S))
                 if sp.positions == "compact":  # from the whole selection, before it splits into groups
                     shift = compact_shift(selected, S)
@@ -432,8 +435,8 @@ class TieredRunner:
                 sel = np.pad(sel, pad, constant_values=-1)
                 sh = None if sh is None else np.pad(sh, pad)
             slot_table = jnp.asarray(t.page_to_slot[layer][bt])
-            acc, acc_lse = _attend(q, pos_d, t.k, t.v, jnp.int32(layer), slot_table, ends_d, jnp.asarray(sel),
-                                   jnp.int32(window), acc, acc_lse,
+            acc, acc_lse = _attend(q, pos_d, t.k, t.v, t.layer_ids[layer], slot_table, ends_d, jnp.asarray(sel),
+                                   t.windows[layer], acc, acc_lse,
                                    None if sh is None else jnp.asarray(sh), None if sh is None else self.inv_freq,
                                    scale=cfg.scale, cap=cfg.attn_softcap)
         return acc
