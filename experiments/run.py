@@ -226,11 +226,25 @@ def run_fullstack(cfg, model, tok, desc):
             ("resume s vs prefill s", f"{resume_s:.2f} vs {prefill_s:.1f} ({prefill_s / max(resume_s, 1e-9):.0f}x; "
                                       f"a re-prefill has more tokens than this prefill)"),
             ("wall s (tiered run, incl. compile)", f"{wall:.1f}")]
+    # The counted transfers projected onto the selected hardware tier (a projection, not a run there).
+    from gemini_jax.tiers.cost_model import RunCounters, project
+
+    hw = build(HardwareConfig, cfg.hardware)
+    page_bytes = 2 * e.num_kv_heads * ecfg.cache.block_size * e.head_dim * np.dtype(e.dtype).itemsize
+    try:
+        proj = project(RunCounters.from_stats(st, page_bytes=page_bytes), hw)
+        rows.append((f"PROJECTED attention step on {hw.name}",
+                     f"{1e3 * proj['projected_step_seconds']:.3f} ms (cost model from counted transfers; "
+                     f"a projection, not a measurement)"))
+    except gj.errors.ConfigError as err:
+        proj = {"label": "projection", "hardware": hw.name, "error": str(err)}
+        rows.append((f"projection on {hw.name}", "- (this tier's figures are measured, not nominal: pick "
+                                                 "hardware=rtx4090 / a100_80g / h200 ... to project)"))
     print("-" * 72)
     for k, v in rows:
         print(f"{k:<36}{v}")
     return {"answer": answer, "correct": ok, "key": example.answer, "length": length, "stats": st,
-            "tier": tier, "resume_seconds": resume_s, "prefill_seconds_session": prefill_s,
+            "tier": tier, "projection": proj, "resume_seconds": resume_s, "prefill_seconds_session": prefill_s,
             "after_resume": again, "kv_read_fraction_of_dense": read / dense_bytes, "model": desc}
 
 

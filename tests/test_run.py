@@ -1,0 +1,27 @@
+"""The main job (`make run` = experiments/run.py, experiment=fullstack) end to end at a small size."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from test_ablate import ROOT, sandbox_env
+
+
+def test_fullstack_job_prints_the_table(tmp_path):
+    cmd = [sys.executable, os.path.join(ROOT, "experiments", "run.py"), "experiment.length=2048",
+           "hardware=a100_80g", f"hydra.run.dir={tmp_path / 'run'}", f"wandb.dir={tmp_path / 'wandb'}",
+           f"results_dir={tmp_path / 'results'}"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=sandbox_env(tmp_path), capture_output=True, text=True, timeout=600)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
+    for row in ("answer", "correct", "KV bytes read / token", "device-tier share of KV", "prefetch hit rate",
+                "after resume + instruction", "resume s vs prefill s", "PROJECTED attention step on a100_80g"):
+        assert row in out, row
+    res = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert res["length"] == 2048 and res["stats"]["decode_steps"] > 0
+    assert res["tier"]["device_slots_per_layer"] < 2048 // 16  # pages really live below the device
+    assert res["projection"]["label"] == "projection"
+    assert os.listdir(tmp_path / "wandb")
