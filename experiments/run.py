@@ -99,7 +99,9 @@ def run_needle(cfg, model, tok, desc):
                  distractors=int(ex.distractors), haystack=_haystack(ex.haystack), seed=int(cfg.seed))
     e = eng.config
     label = (f"{desc}; cache {e.cache.kind} bs={e.cache.block_size}; "
-             + (f"sparse {e.sparse.digest} budget={e.sparse.budget}" if e.sparse.enabled else "dense"))
+             + (f"sparse {e.sparse.digest} budget={e.sparse.budget}"
+                + (", sparse prefill" if e.sparse.sparse_prefill else "")
+                + (", compact positions" if e.sparse.positions == "compact" else "") if e.sparse.enabled else "dense"))
     out_dir = os.path.join(ROOT, cfg.results_dir)
     paths = write_needle(res, out_dir, ex.out_name, label, {"engine": OmegaConf.to_container(cfg.engine),
                                                             "model": desc})
@@ -216,7 +218,7 @@ def run_fullstack(cfg, model, tok, desc):
     rows = [("answer", f"{answer!r} (key {example.answer})"), ("correct", "yes" if ok else "NO"),
             ("prefill s", f"{out.seconds['prefill']:.1f}"),
             ("decode tokens/s (incl. compile)", f"{(len(out.tokens) - 1) / max(out.seconds['decode'], 1e-9):.1f}"),
-            ("KV bytes read / token", f"{read:,.0f} = {100 * read / dense_bytes:.1f}% of dense"),
+            ("KV + digest bytes read / token", f"{read:,.0f} = {100 * read / dense_bytes:.1f}% of dense KV"),
             ("device-tier share of KV", f"{100 * tier['kv_bytes_device'] / kv_total:.1f}% "
                                         f"({tier['device_slots_per_layer']} slots / layer)"),
             ("prefetch hit rate", f"{100 * hits / (hits + misses):.1f}% ({hits}/{hits + misses})" if hits + misses

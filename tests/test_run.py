@@ -17,7 +17,7 @@ def test_fullstack_job_prints_the_table(tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, env=sandbox_env(tmp_path), capture_output=True, text=True, timeout=600)
     out = proc.stdout
     assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
-    for row in ("answer", "correct", "KV bytes read / token", "device-tier share of KV", "prefetch hit rate",
+    for row in ("answer", "correct", "KV + digest bytes read / token", "device-tier share of KV", "prefetch hit rate",
                 "after resume + instruction", "resume s vs prefill s", "PROJECTED attention step on a100_80g"):
         assert row in out, row
     res = json.loads((tmp_path / "run" / "result.json").read_text())
