@@ -46,6 +46,8 @@ def parse(argv=None):
     p.add_argument("--budget", type=int, default=1024, help="sparse budget, tokens")
     p.add_argument("--digest", default="minmax", choices=["minmax", "mean"])
     p.add_argument("--chunk", type=int, default=1024, help="prefill chunk")
+    p.add_argument("--score-queries", type=int, default=64, help="queries of a prefill chunk that score pages")
+    p.add_argument("--positions", default="compact", choices=["true", "compact"])
     p.add_argument("--prefetch-depth", type=int, default=2)
     p.add_argument("--resident", action="store_true", help="also run all-resident and compare")
     p.add_argument("--random-model", action="store_true",
@@ -90,7 +92,7 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(a.seed)
     ex = tasks.needle_example(held, a.context, a.depth, rng)
     sp = SparseConfig(enabled=True, budget=a.budget, digest=a.digest, sink_pages=1, local_pages=2,
-                      sparse_prefill=True)
+                      sparse_prefill=True, score_queries=a.score_queries, positions=a.positions)
     max_len = a.context + tasks.KEY_DIGITS + 1
     base = dict(max_seq_len=max_len, max_batch=1, prefill_chunk=a.chunk,
                 cache=CacheConfig(block_size=a.block_size, prefix_caching=False), sparse=sp)
@@ -129,7 +131,8 @@ def _markdown(r) -> str:
              f"Run {r['date']}, command `{r['command']}`. "
              f"{'A RANDOM-INIT model (machinery only; its answers mean nothing)' if a['random_model'] else 'The shipped tiny model'}; a needle at depth "
              f"{a['depth']} (token {r['needle_at']:,}) of held-out standard-library text; sparse prefill and "
-             f"decode (budget {a['budget']} tokens, {a['digest']} digests, block {a['block_size']}); "
+             f"decode (budget {a['budget']} tokens, {a['digest']} digests, block {a['block_size']}, {a['positions']} "
+             f"positions, the last {a['score_queries']} queries of each {a['chunk']}-token chunk score pages); "
              f"KV in all: {_gib(r['kv_bytes_total'])}.", "",
              "| run | answer | right | prefill | decode | peak RSS | KV on device | KV in host RAM | KV on disk | "
              "pages from host / disk | prefetch hit rate | stall |", "| --- " * 12 + "|"]
