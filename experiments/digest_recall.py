@@ -74,7 +74,9 @@ def main(argv=None) -> int:
             lines.append(f"| {T} | {bs} | {a.budget // bs} | " + " | ".join(cells) + " |")
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "digest_recall.json"), "w") as fh:
-        json.dump({"args": vars(a), "records": records}, fh, indent=1)
+        # The output directory as given relative to the repository, not this machine's checkout.
+        args = dict(vars(a), out=os.path.relpath(a.out, os.path.dirname(HERE)))
+        json.dump({"args": args, "records": records}, fh, indent=1)
     with open(os.path.join(a.out, "digest_recall.md"), "w") as fh:
         fh.write("\n".join(lines) + "\n")
     print("\n".join(lines))
