@@ -266,6 +266,12 @@ class TierConfig:
     committed (survives power loss; a killed process is safe either way).
 
     `prefetch_depth`: how many layers ahead the predictor starts fetches (0 = no prefetch);
+    `lookahead`: during a sparse decode step, layer l also scores layer l+depth's digests with a
+    query built from layer l's input (the residual stream changes little from layer to layer),
+    and the next step's layer 0 is scored from the embedding of this step's most likely token,
+    so pages a step selects for the first time are fetched before they are needed. The guess
+    is rough, so it fetches the top `lookahead` x budget pages (0 = off: the previous step's
+    selection only). Costs one extra projection and scoring per layer; never changes numbers.
     `staging_pages`: size of the prefetch staging buffer; `io_workers`: threads issuing reads.
 
     Hot zone: the first `pin_sink_pages` and last `pin_local_pages` pages of every sequence are
@@ -284,7 +290,8 @@ class TierConfig:
     disk_fsync: bool = False
     on_corrupt: str = "raise"
     prefetch_depth: int = 1
-    staging_pages: int = 256
+    lookahead: int = 3
+    staging_pages: int = 512
     io_workers: int = 4
     pin_sink_pages: int = 1
     pin_local_pages: int = 2
@@ -313,7 +320,7 @@ class TierConfig:
         for name in ("shard_pages", "staging_pages", "io_workers", "hot_window"):
             v = getattr(self, name)
             _require(_is_int(v) and v >= 1, f"tier.{name}={v!r} must be an integer >= 1.")
-        for name in ("prefetch_depth", "pin_sink_pages", "pin_local_pages", "hot_threshold"):
+        for name in ("prefetch_depth", "lookahead", "pin_sink_pages", "pin_local_pages", "hot_threshold"):
             v = getattr(self, name)
             _require(_is_int(v) and v >= 0, f"tier.{name}={v!r} must be an integer >= 0.")
         _require(self.hot_threshold <= self.hot_window,

@@ -49,6 +49,18 @@ def test_predictor_selection_neighbours_and_fixed():
     assert Predictor(TierConfig(prefetch_depth=0), 3, block_size=16).predict(0) == []
 
 
+def test_predictor_lookahead_comes_first_until_the_layer_runs():
+    pred = Predictor(TierConfig(prefetch_depth=1, pin_sink_pages=0, pin_local_pages=0), num_layers=2, block_size=16)
+    bt = np.array([[11, 12, 13, 14, 0]])
+    lengths = np.array([64])
+    pred.observe(1, bt, np.array([[[0, -1]]]), lengths)  # last step layer 1 read page 11 (+ neighbour 12)
+    assert pred.predict(0) == [(1, 11), (1, 12)]
+    pred.speculate(1, bt, np.array([[[3, 2]]]), lengths)  # this step's lookahead for layer 1
+    assert pred.predict(0) == [(1, 13), (1, 14), (1, 11), (1, 12)]
+    pred.observe(1, bt, np.array([[[3, -1]]]), lengths)  # layer 1 ran: the lookahead is spent
+    assert pred.predict(0) == [(1, 14), (1, 13)]
+
+
 def test_prefetch_hits_and_misses_are_counted(stack):
     pre = Prefetcher(stack, capacity=8, workers=2)
     assert {stack.tier_of((2, p)) for p in range(17, 21)} == {"host"}
@@ -97,15 +109,19 @@ def test_late_prefetch_is_a_miss_and_waits_for_the_same_fetch(stack):
     pre.close()
 
 
-def test_staging_is_bounded_and_drops_oldest_arrived(stack):
+def test_staging_is_bounded_and_released_per_layer(stack):
     pre = Prefetcher(stack, capacity=2, workers=1)
-    assert pre.schedule([(0, 1), (0, 2)]) == 2
+    assert pre.schedule([(0, 1), (2, 18)]) == 2
     pre.drain()
-    assert pre.schedule([(0, 3)]) == 1  # full: (0, 1) arrived and untaken -> dropped
+    assert pre.schedule([(0, 3), (0, 4)]) == 0  # full: earlier (likelier) guesses keep their place
+    assert pre.release_layer(0) == 1  # layer 0 ran: its unused guess (0, 1) leaves
+    assert pre.stats["prefetch_wasted"] == 1 and pre.take((0, 1)) is None
+    assert pre.schedule([(0, 3)]) == 1
     pre.drain()
-    assert pre.stats["prefetch_wasted"] == 1 and pre.take((0, 1)) is None and pre.take((0, 2)) is not None
-    pre.invalidate((0, 3))
-    assert pre.take((0, 3)) is None
+    assert pre.take((2, 18)) is not None and pre.take((0, 3)) is not None
+    pre.schedule([(0, 4)])
+    pre.invalidate((0, 4))
+    assert pre.take((0, 4)) is None
     pre.close()
 
 

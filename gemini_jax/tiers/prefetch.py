@@ -38,12 +38,15 @@ class PageSource(Protocol):
 
 
 class Predictor:
-    """Predict the keys of the next `prefetch_depth` layers from the previous step's selection.
+    """Predict the keys of the next `prefetch_depth` layers.
 
-    For each layer it remembers the pages selected at its last visit, their neighbours (logical
-    page +/- 1, within the sequence) and the sequence's sink and local pages. While layer l
-    computes, layers l+1 .. l+depth (wrapping into the next step) will most likely read about
-    what they read last step.
+    Two sources. History: for each layer, the pages selected at its last visit, their neighbours
+    (logical page +/- 1, within the sequence) and the sequence's sink and local pages — layers
+    l+1 .. l+depth (wrapping into the next step) will most likely read about what they read last
+    step. Lookahead (`speculate`): a selection for a layer of the *current* step made ahead of
+    time by the runner (layer l+depth's digests scored with a query built from layer l's input),
+    which catches the pages a step selects for the first time; history cannot. Lookahead keys
+    come first.
     """
 
     def __init__(self, cfg: TierConfig, num_layers: int, *, block_size: int):
@@ -52,6 +55,22 @@ class Predictor:
         self.num_layers = num_layers
         self.block_size = block_size
         self._last: list[list[int]] = [[] for _ in range(num_layers)]  # physical pages, by priority
+        self._ahead: list[list[int]] = [[] for _ in range(num_layers)]  # this step's lookahead, if any
+
+    @staticmethod
+    def _pages(bt, selected, b, n_pages):
+        s = np.asarray(selected[b]).ravel()
+        return np.unique(s[(s >= 0) & (s < n_pages)])
+
+    def speculate(self, layer: int, block_tables, selected, lengths) -> None:
+        """A selection [B, K, k] (logical ids, -1 padded) predicted for `layer` of the current step;
+        used by `predict` until `observe(layer)` records what the layer really read."""
+        bt, lengths = np.asarray(block_tables), np.asarray(lengths)
+        pages = []
+        for b in range(bt.shape[0]):
+            n_pages = -(-int(lengths[b]) // self.block_size)
+            pages.extend(bt[b, self._pages(bt, selected, b, n_pages)].tolist())
+        self._ahead[layer] = [p for p in dict.fromkeys(pages) if p != 0]
 
     def observe(self, layer: int, block_tables, selected, lengths) -> None:
         """Record what `layer` read this step.
@@ -65,11 +84,7 @@ class Predictor:
         first, second, third = [], [], []
         for b in range(bt.shape[0]):
             n_pages = -(-int(lengths[b]) // self.block_size)
-            if selected is None:
-                sel = np.arange(n_pages)
-            else:
-                s = np.asarray(selected[b]).ravel()
-                sel = np.unique(s[(s >= 0) & (s < n_pages)])
+            sel = np.arange(n_pages) if selected is None else self._pages(bt, selected, b, n_pages)
             near = np.setdiff1d(np.concatenate([sel - 1, sel + 1]), sel)
             near = near[(near >= 0) & (near < n_pages)]
             fixed = np.concatenate([np.arange(min(self.sink, n_pages)),
@@ -78,14 +93,20 @@ class Predictor:
             second.extend(bt[b, near].tolist())
             third.extend(bt[b, fixed].tolist())
         self._last[layer] = [p for p in dict.fromkeys(first + second + third) if p != 0]
+        self._ahead[layer] = []
+
+    def lookahead_keys(self, layer: int) -> list[PageKey]:
+        """The keys of `layer`'s pending lookahead (empty if none)."""
+        return [(layer, p) for p in self._ahead[layer]]
 
     def predict(self, layer: int) -> list[PageKey]:
         """Keys to fetch while `layer` computes, nearest layer first (empty when depth is 0)."""
-        keys = []
-        for d in range(1, min(self.depth, self.num_layers) + 1):
-            nxt = (layer + d) % self.num_layers
-            keys.extend((nxt, p) for p in self._last[nxt])
-        return keys
+        nxt = [(layer + d) % self.num_layers for d in range(1, min(self.depth, self.num_layers) + 1)]
+        # Every lookahead first (it is this step's own selection; history is last step's guess),
+        # so a bounded staging buffer spends itself on the likeliest pages.
+        keys = [(j, p) for j in nxt for p in self._ahead[j]]
+        keys += [(j, p) for j in nxt for p in self._last[j]]
+        return list(dict.fromkeys(keys))
 
 
 class Prefetcher:
@@ -117,9 +138,9 @@ class Prefetcher:
         return page
 
     def schedule(self, keys: Iterable[PageKey]) -> int:
-        """Start fetching `keys` not already staged; returns how many fetches were issued. When
-        the buffer is full the oldest arrived-but-untaken page is dropped (counted as wasted);
-        when every buffered page is still in flight, the remaining keys are skipped."""
+        """Start fetching `keys` (most wanted first) not already staged; returns how many fetches
+        were issued. A full buffer skips the remaining keys: what is staged was asked for earlier
+        with a higher priority, and a layer's unused guesses leave with `release_layer`."""
         issued = 0
         for key in keys:
             key = (int(key[0]), int(key[1]))
@@ -127,15 +148,21 @@ class Prefetcher:
                 if key in self._staged:
                     continue
                 if len(self._staged) >= self.capacity:
-                    old = next((k for k, f in self._staged.items() if f.done()), None)
-                    if old is None:
-                        break
-                    del self._staged[old]
-                    self.stats["prefetch_wasted"] += 1
+                    break
                 self._staged[key] = self._pool.submit(self._read, key)
                 self.stats["prefetch_issued"] += 1
             issued += 1
         return issued
+
+    def release_layer(self, layer: int) -> int:
+        """Drop the staged pages of `layer` once it has read what it needed: guesses it did not
+        use (counted as wasted) would otherwise hold the buffer until the layer's next visit."""
+        with self._lock:
+            stale = [k for k in self._staged if k[0] == layer]
+            for k in stale:
+                del self._staged[k]
+            self.stats["prefetch_wasted"] += len(stale)
+        return len(stale)
 
     def invalidate(self, key: PageKey) -> None:
         """Forget a staged copy of `key` (its page was freed or rewritten)."""

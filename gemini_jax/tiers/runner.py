@@ -10,7 +10,11 @@ One call (a prefill chunk or a decode step), for every layer l (DESIGN.md §7):
     in groups that fit the free slots: admit (hits are free), fetch misses through the
         prefetcher (staged -> hit; else a timed synchronous read = stall), copy them into
         their slots, attend; groups merge by log-sum-exp
-    predictor -> prefetcher: start fetching what layers l+1 .. l+depth read last step
+    predictor -> prefetcher: start fetching what layers l+1 .. l+depth read last step, and
+        (lookahead, sparse decode) what layer l+depth (from layer 0: layers 1 .. depth) selects
+        when scored with a query made from layer l's input — dispatched before layer l's
+        selection, read after its attention; after the last layer, the next step's layer 0
+        from the embedding of this step's argmax token
     h         = layer l's second half                                  (device)
 
 Exactness: a page's bytes are the same in a slot, in host RAM and on disk, and digests live on
@@ -24,6 +28,7 @@ batch of sequences through it, with the same interface as the engine's other run
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 
@@ -73,6 +78,23 @@ def _finish(graphdef, params, layer, h, attn):
 def _logits(graphdef, params, h, select):
     h = jnp.take_along_axis(h, select[:, None, None], axis=1)
     return nnx.merge(graphdef, params).logits(h)[:, 0]
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("sp", "block_size"))
+def _lookahead(graphdef, params, layer, h, positions, digests, page_table, window, *, sp, block_size):
+    """Layer `layer`'s selection predicted from an earlier layer's input `h` (its q projection of
+    `h` instead of its own input): what the prefetcher should bring before `layer` runs."""
+    q, _, _ = nnx.merge(graphdef, params).layer_qkv(layer, h, positions)
+    return select_step(sp, digests[layer], q, positions, page_table, block_size=block_size, window=window)
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("sp", "block_size"))
+def _lookahead_next(graphdef, params, logits, positions, digests, page_table, window, *, sp, block_size):
+    """The next step's layer-0 selection, guessed from the embedding of this step's argmax token."""
+    model = nnx.merge(graphdef, params)
+    h = model.embed_tokens(jnp.argmax(logits, axis=-1).astype(jnp.int32)[:, None])
+    q, _, _ = model.layer_qkv(0, h, positions)
+    return select_step(sp, digests[0], q, positions, page_table, block_size=block_size, window=window)
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=(1, 2, 3))
@@ -335,10 +357,20 @@ class TieredRunner:
         fresh = sorted({int(bt[b, p]) for b in range(B) for p in written[b]} - set(continued))
         fill_pages_ids = sorted({int(bt[b, p]) for b in range(B) for p in filled[b]})
         h = _embed(e.graphdef, e.params, tokens_d)
+        depth = t.tc.prefetch_depth
+        ahead_on = decode and sp.enabled and depth > 0 and t.tc.lookahead > 0
+        # The lookahead guesses roughly: it selects `lookahead` x the budget.
+        sp_ahead = dataclasses.replace(sp, budget=sp.budget * t.tc.lookahead) if ahead_on else None
         for layer in range(L):
             lyr = t.layer_ids[layer]
             window = int(windows[layer])
             q, k, v = _qkv(e.graphdef, e.params, lyr, h, pos_d)
+            # Lookahead targets: layer l+depth; layer 0 also covers 1 .. depth-1 (no earlier input
+            # exists in this step). Dispatched now, read after this layer attends.
+            targets = range(1, depth + 1) if layer == 0 else (layer + depth,)
+            ahead = {j: _lookahead(e.graphdef, e.params, t.layer_ids[j], h, pos_d, t.digests, bt_d, t.windows[j],
+                                   sp=sp_ahead, block_size=S)
+                     for j in targets if ahead_on and sp.dense_layers <= j < L}
             # The pages written here: fresh ones need no fetch; a continued partial page is pinned.
             try:
                 t.admit(layer, continued + fresh, fetch=set(continued))
@@ -368,10 +400,20 @@ class TieredRunner:
                              if p >= 0 and bt[b, p] != 0)
             t.predictor.observe(layer, bt, selected, ends)
             out = self._attend_groups(layer, q, pos_d, bt, ends_d, selected, window, shift)
+            t.prefetcher.release_layer(layer)
+            for j, sel_j in ahead.items():
+                t.predictor.speculate(j, bt, np.asarray(sel_j), ends)
             t.prefetcher.schedule(key for key in t.predictor.predict(layer)
                                   if key in t.below and t.page_to_slot[key] == 0)
             h = _finish(e.graphdef, e.params, lyr, h, out)
         logits = _logits(e.graphdef, e.params, h, jnp.asarray(select, jnp.int32))
+        if ahead_on and sp.dense_layers == 0 and int(np.max(ends)) < bt.shape[1] * S:
+            # The next step's layer 0 has no earlier layer to guess from: use this step's argmax token.
+            nxt = _lookahead_next(e.graphdef, e.params, logits, pos_d + 1, t.digests, bt_d, t.windows[0],
+                                  sp=sp_ahead, block_size=S)
+            t.predictor.speculate(0, bt, np.asarray(nxt), np.asarray(ends) + 1)
+            t.prefetcher.schedule(key for key in t.predictor.lookahead_keys(0)
+                                  if key in t.below and t.page_to_slot[key] == 0)
         if decode:
             hot = t.hot.end_step()
             t.slots.set_pins("hot", hot)
