@@ -120,11 +120,16 @@ class Prefetcher:
     pages_fetched_host, pages_fetched_disk, stall_seconds.
     """
 
-    def __init__(self, source: PageSource, *, capacity: int = 256, workers: int = 4):
+    def __init__(self, source: PageSource, *, capacity: int = 256, workers: int = 4, batch: int = 16):
         self.source = source
         self.capacity = capacity
+        self.batch = batch
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="gj-prefetch")
+        # key -> the future of the batch that reads it; a batch's result maps its keys to pages
+        # (or to the exception reading that one key raised). One future per batch, not per key:
+        # a decode step schedules hundreds of guesses, and a thread hand-off each is the cost.
         self._staged: dict[PageKey, Future] = {}
+        self._by_layer: dict[int, set] = {}
         self._lock = threading.Lock()
         self.stats = {"prefetch_hits": 0, "prefetch_misses": 0, "prefetch_late": 0, "prefetch_wasted": 0,
                       "prefetch_issued": 0, "pages_fetched_host": 0, "pages_fetched_disk": 0,
@@ -137,37 +142,67 @@ class Prefetcher:
                 self.stats[f"pages_fetched_{page.tier}"] += 1
         return page
 
+    def _read_batch(self, keys: list) -> dict:
+        out = {}
+        for key in keys:
+            try:
+                out[key] = self._read(key)
+            except Exception as err:  # noqa: BLE001 - raised again, properly, by `fetch` at use
+                out[key] = err
+        return out
+
+    def _pop(self, key: PageKey) -> Optional[Future]:
+        """Unstage `key` (lock held)."""
+        fut = self._staged.pop(key, None)
+        if fut is not None:
+            self._by_layer[key[0]].discard(key)
+        return fut
+
+    @staticmethod
+    def _page(fut: Future, key: PageKey) -> Optional[Fetched]:
+        """The page a finished batch read for `key`, or None if that read failed or found nothing."""
+        if fut.exception() is not None:
+            return None
+        page = fut.result().get(key)
+        return None if isinstance(page, Exception) else page
+
     def schedule(self, keys: Iterable[PageKey]) -> int:
         """Start fetching `keys` (most wanted first) not already staged; returns how many fetches
         were issued. A full buffer skips the remaining keys: what is staged was asked for earlier
         with a higher priority, and a layer's unused guesses leave with `release_layer`."""
-        issued = 0
-        for key in keys:
-            key = (int(key[0]), int(key[1]))
-            with self._lock:
-                if key in self._staged:
-                    continue
-                if len(self._staged) >= self.capacity:
+        with self._lock:
+            room = self.capacity - len(self._staged)
+            todo = []
+            for key in keys:
+                if len(todo) >= room:
                     break
-                self._staged[key] = self._pool.submit(self._read, key)
-                self.stats["prefetch_issued"] += 1
-            issued += 1
-        return issued
+                key = (int(key[0]), int(key[1]))
+                if key not in self._staged:
+                    self._staged[key] = None  # reserved; the batch future is filled in below
+                    todo.append(key)
+            for i in range(0, len(todo), self.batch):
+                part = todo[i:i + self.batch]
+                fut = self._pool.submit(self._read_batch, part)
+                for key in part:
+                    self._staged[key] = fut
+                    self._by_layer.setdefault(key[0], set()).add(key)
+            self.stats["prefetch_issued"] += len(todo)
+        return len(todo)
 
     def release_layer(self, layer: int) -> int:
         """Drop the staged pages of `layer` once it has read what it needed: guesses it did not
         use (counted as wasted) would otherwise hold the buffer until the layer's next visit."""
         with self._lock:
-            stale = [k for k in self._staged if k[0] == layer]
+            stale = list(self._by_layer.get(layer, ()))
             for k in stale:
-                del self._staged[k]
+                self._pop(k)
             self.stats["prefetch_wasted"] += len(stale)
         return len(stale)
 
     def invalidate(self, key: PageKey) -> None:
         """Forget a staged copy of `key` (its page was freed or rewritten)."""
         with self._lock:
-            self._staged.pop((int(key[0]), int(key[1])), None)
+            self._pop((int(key[0]), int(key[1])))
 
     def in_flight(self, key: PageKey) -> bool:
         with self._lock:
@@ -180,11 +215,14 @@ class Prefetcher:
         key = (int(key[0]), int(key[1]))
         with self._lock:
             fut = self._staged.get(key)
-            if fut is None or not fut.done() or fut.exception() is not None or fut.result() is None:
+            if fut is None or not fut.done():
+                return None
+            page = self._page(fut, key)
+            if page is None:
                 return None  # a failed prefetch is retried by `fetch`, which raises properly
-            del self._staged[key]
+            self._pop(key)
             self.stats["prefetch_hits"] += 1
-        return fut.result()
+        return page
 
     def fetch(self, key: PageKey) -> Optional[Fetched]:
         """Miss path: wait for the key's in-flight fetch, or read it now. Counted as a miss; the
@@ -192,14 +230,12 @@ class Prefetcher:
         key = (int(key[0]), int(key[1]))
         t0 = time.perf_counter()
         with self._lock:
-            fut = self._staged.pop(key, None)
+            fut = self._pop(key)
             self.stats["prefetch_misses"] += 1
             if fut is not None and not fut.done():
                 self.stats["prefetch_late"] += 1
         try:
-            page = None
-            if fut is not None and fut.exception() is None:
-                page = fut.result()
+            page = None if fut is None else self._page(fut, key)
             if page is None:
                 page = self._read(key)
             return page
@@ -215,8 +251,8 @@ class Prefetcher:
     def drain(self) -> None:
         """Wait for every fetch in flight (tests, end of a run)."""
         with self._lock:
-            futs = list(self._staged.values())
-        for f in futs:
+            futs = {id(f): f for f in self._staged.values()}
+        for f in futs.values():
             f.exception()
 
     def hit_rate(self) -> float:

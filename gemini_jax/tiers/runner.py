@@ -129,6 +129,8 @@ def _attend(q, positions, k_slots, v_slots, layer, slot_table, lengths, selected
     out, lse = sparse_attention(q, positions, k_slots[layer], v_slots[layer], slot_table, lengths, selected,
                                 scale=scale, cap=cap, window=window, return_lse=True, page_shift=page_shift,
                                 inv_freq=inv_freq)
+    if acc is None:  # the first group: nothing to merge with
+        return out.astype(q.dtype), lse
     return merge_parts(acc, acc_lse, out, lse)
 
 
@@ -217,8 +219,7 @@ class TieredKV:
             vs += [vs[0]] * pad
         idx = np.full(n, self.n_slots + 1, np.int32)
         idx[:len(slots)] = slots
-        self.k, self.v = _fill(self.k, self.v, self.layer_ids[layer], jnp.asarray(idx),
-                               jnp.asarray(np.stack(ks)), jnp.asarray(np.stack(vs)))
+        self.k, self.v = _fill(self.k, self.v, self.layer_ids[layer], idx, np.stack(ks), np.stack(vs))
 
     def put_below(self, layer: int, pages) -> None:
         """Full pages of `layer` (resident) go down the tiers."""
@@ -228,7 +229,7 @@ class TieredKV:
         n = _pow2(len(pages))
         idx = np.zeros(n, np.int32)
         idx[:len(pages)] = self.page_to_slot[layer, pages]
-        k, v = _read(self.k, self.v, self.layer_ids[layer], jnp.asarray(idx))
+        k, v = _read(self.k, self.v, self.layer_ids[layer], idx)
         k, v = np.asarray(k), np.asarray(v)
         for i, p in enumerate(pages):
             key = (layer, p)
@@ -379,7 +380,7 @@ class TieredRunner:
                     f"this call writes {len(continued + fresh)} pages per layer, which with the pinned pages "
                     f"do not fit {t.slots.capacity} device slots: lower prefill_chunk or max_batch, or raise "
                     f"tier.device_pages / device_fraction. ({err})") from None
-            slot_table = jnp.asarray(t.page_to_slot[layer][bt])
+            slot_table = t.page_to_slot[layer][bt]  # fresh array: passed as is (no eager device_put)
             t.k, t.v, t.digests = _write(sp.digest if sp.enabled else None, t.k, t.v, t.digests, lyr, k, v,
                                          pos_d, slot_table, bt_d, ends_d)
             t.put_below(layer, fill_pages_ids)
@@ -406,7 +407,7 @@ class TieredRunner:
             t.prefetcher.schedule(key for key in t.predictor.predict(layer)
                                   if key in t.below and t.page_to_slot[key] == 0)
             h = _finish(e.graphdef, e.params, lyr, h, out)
-        logits = _logits(e.graphdef, e.params, h, jnp.asarray(select, jnp.int32))
+        logits = _logits(e.graphdef, e.params, h, np.asarray(select, np.int32))
         if ahead_on and sp.dense_layers == 0 and int(np.max(ends)) < bt.shape[1] * S:
             # The next step's layer 0 has no earlier layer to guess from: use this step's argmax token.
             nxt = _lookahead_next(e.graphdef, e.params, logits, pos_d + 1, t.digests, bt_d, t.windows[0],
@@ -466,8 +467,7 @@ class TieredRunner:
                     f"{t.slots.capacity} device slots, {len(pinned)} of them pinned, cannot hold them; "
                     f"raise tier.device_pages / device_fraction or lower the batch, prefill_chunk or pins.")
             groups *= 2
-        acc = jnp.zeros(q.shape, q.dtype)
-        acc_lse = jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
+        acc = acc_lse = None
         for cols, pages in zip(parts, sets):
             t.admit(layer, sorted(pages), fetch=True)
             sel = selected[:, :, cols]
@@ -476,10 +476,10 @@ class TieredRunner:
                 pad = ((0, 0), (0, 0), (0, _pow2(sel.shape[2]) - sel.shape[2]))
                 sel = np.pad(sel, pad, constant_values=-1)
                 sh = None if sh is None else np.pad(sh, pad)
-            slot_table = jnp.asarray(t.page_to_slot[layer][bt])
-            acc, acc_lse = _attend(q, pos_d, t.k, t.v, t.layer_ids[layer], slot_table, ends_d, jnp.asarray(sel),
+            slot_table = t.page_to_slot[layer][bt]
+            acc, acc_lse = _attend(q, pos_d, t.k, t.v, t.layer_ids[layer], slot_table, ends_d, sel,
                                    t.windows[layer], acc, acc_lse,
-                                   None if sh is None else jnp.asarray(sh), None if sh is None else self.inv_freq,
+                                   sh, None if sh is None else self.inv_freq,
                                    scale=cfg.scale, cap=cfg.attn_softcap)
         return acc
 
