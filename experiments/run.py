@@ -47,7 +47,7 @@ def load_model(cfg: DictConfig):
 
 
 def run_generate(cfg, model, tok, desc):
-    ecfg = build(EngineConfig, cfg.engine)
+    ecfg = emulate_hardware(cfg, build(EngineConfig, cfg.engine), model)[0]
     params = build(SamplingParams, cfg.sampling)
     eng = gj.Engine(model, ecfg)
     prompt = tok.encode(cfg.experiment.prompt, bos=True)
@@ -70,14 +70,54 @@ def run_generate(cfg, model, tok, desc):
             "decode_tokens_per_s": decode_tps, "model": desc}
 
 
-def _engine_for(cfg, longest: int):
+def _engine_for(cfg, longest: int, model):
     ecfg = build(EngineConfig, cfg.engine)
     if ecfg.max_seq_len < longest:
         print(f"engine.max_seq_len raised from {ecfg.max_seq_len} to {longest} to fit the experiment")
         data = OmegaConf.to_container(cfg.engine, resolve=True)
         data["max_seq_len"] = longest
         ecfg = build(EngineConfig, data)
-    return ecfg
+    return emulate_hardware(cfg, ecfg, model)[0]
+
+
+def model_preset(name: str) -> ModelConfig:
+    """A conf/model preset by name, as a ModelConfig."""
+    path = os.path.join(ROOT, "conf", "model", f"{name}.yaml")
+    if not os.path.exists(path):
+        choices = sorted(f[:-5] for f in os.listdir(os.path.join(ROOT, "conf", "model")) if f.endswith(".yaml"))
+        raise gj.errors.ConfigError(f"hardware reference_model={name!r} is not a model preset; one of {choices}.")
+    data = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    data.pop("defaults", None)
+    return build(ModelConfig, data)
+
+
+def emulate_hardware(cfg, ecfg: EngineConfig, model):
+    """(engine config, record): on a machine without the selected hardware tier, the tiers are
+    sized to that tier's device / host / disk split of its reference workload's KV
+    (gemini_jax.tiers.emulate); the record says what was set (None when nothing was)."""
+    hw = build(HardwareConfig, cfg.hardware)
+    if hw.present or not hw.reference_model:
+        return ecfg, None
+    from gemini_jax.tiers.emulate import cap_engine, proportions
+
+    p = proportions(hw, model_preset(hw.reference_model), hw.reference_context, name=hw.reference_model)
+    disk = ecfg.tier.disk_path
+    if disk is None:
+        try:
+            disk = os.path.join(hydra.core.hydra_config.HydraConfig.get().runtime.output_dir, "kv_disk")
+        except ValueError:  # not under Hydra (a test calling the function directly)
+            import tempfile
+
+            disk = tempfile.mkdtemp(prefix="gj_emulated_disk_")
+    ecfg, rec = cap_engine(ecfg, p, num_layers=model.cfg.num_layers, disk_path=disk)
+    raised = (f" (raised from {rec['raised_from']:.2%}: one call's pages must fit)"
+              if rec["raised_from"] is not None else "")
+    if rec["prefill_chunk_from"] is not None:
+        raised += f"; prefill_chunk lowered from {rec['prefill_chunk_from']} to {rec['prefill_chunk']}"
+    print(f"EMULATED hardware {p.describe()}. This run: device {rec['device_fraction']:.2%} of its pages{raised}, "
+          f"host {'unbounded' if rec['host_pages'] is None else str(rec['host_pages']) + ' (layer, page) units'}, "
+          f"disk {rec['disk_path'] or '-'}. Times below are this machine's; the tier's are projections.")
+    return ecfg, rec
 
 
 def _haystack(name: str):
@@ -94,7 +134,7 @@ def run_needle(cfg, model, tok, desc):
 
     ex = cfg.experiment
     lengths = [int(x) for x in ex.lengths]
-    eng = gj.Engine(model, _engine_for(cfg, max(lengths) + 16))
+    eng = gj.Engine(model, _engine_for(cfg, max(lengths) + 16, model))
     res = needle(eng, lengths, [float(d) for d in ex.depths], trials=int(ex.trials), batch=int(ex.batch),
                  distractors=int(ex.distractors), haystack=_haystack(ex.haystack), seed=int(cfg.seed))
     e = eng.config
@@ -118,7 +158,7 @@ def run_perplexity(cfg, model, tok, desc):
 
     ex = cfg.experiment
     contexts = [int(c) for c in ex.contexts]
-    eng = gj.Engine(model, _engine_for(cfg, max(contexts) + 16))
+    eng = gj.Engine(model, _engine_for(cfg, max(contexts) + 16, model))
     rows = [perplexity(eng, c, windows=int(ex.windows), scored=int(ex.scored), seed=int(cfg.seed))
             for c in contexts]
     uni = unigram_bits_per_byte()
@@ -152,6 +192,7 @@ def run_fullstack(cfg, model, tok, desc):
     answer_len = tasks.KEY_DIGITS + 1
     # The pool is sized for this prompt, so the device fraction is a fraction of this context's KV.
     ecfg = gj.config.replace(build(EngineConfig, cfg.engine), max_seq_len=length + 64)
+    ecfg, emulated = emulate_hardware(cfg, ecfg, model)
     if ecfg.tier.enabled:  # a prefill chunk's pages must fit the device slots beside the pins
         S = ecfg.cache.block_size
         cap = max(S, ecfg.tier.device_slots(ecfg.num_pages) * S // 4)
@@ -220,7 +261,8 @@ def run_fullstack(cfg, model, tok, desc):
             ("decode tokens/s (incl. compile)", f"{(len(out.tokens) - 1) / max(out.seconds['decode'], 1e-9):.1f}"),
             ("KV + digest bytes read / token", f"{read:,.0f} = {100 * read / dense_bytes:.1f}% of dense KV"),
             ("device-tier share of KV", f"{100 * tier['kv_bytes_device'] / kv_total:.1f}% "
-                                        f"({tier['device_slots_per_layer']} slots / layer)"),
+                                        f"({tier['device_slots_per_layer']} slots / layer)" if tier
+             else "100% (no tiers: every page on device)"),
             ("prefetch hit rate", f"{100 * hits / (hits + misses):.1f}% ({hits}/{hits + misses})" if hits + misses
              else "- (no page left the device)"),
             ("interrupted after", f"{first!r} -> {tok.decode(first)!r}"),
@@ -228,6 +270,10 @@ def run_fullstack(cfg, model, tok, desc):
             ("resume s vs prefill s", f"{resume_s:.2f} vs {prefill_s:.1f} ({prefill_s / max(resume_s, 1e-9):.0f}x; "
                                       f"a re-prefill has more tokens than this prefill)"),
             ("wall s (tiered run, incl. compile)", f"{wall:.1f}")]
+    if emulated:
+        rows.insert(4, (f"EMULATED {emulated['hardware']} split", (
+            f"device {emulated['tier_device_fraction']:.1%} / host {emulated['tier_host_fraction']:.1%} / disk "
+            f"{emulated['tier_disk_fraction']:.1%} of {emulated['reference']} @ {emulated['context']:,} tokens")))
     # The counted transfers projected onto the selected hardware tier (a projection, not a run there).
     from gemini_jax.tiers.cost_model import RunCounters, project
 
@@ -246,7 +292,7 @@ def run_fullstack(cfg, model, tok, desc):
     for k, v in rows:
         print(f"{k:<36}{v}")
     return {"answer": answer, "correct": ok, "key": example.answer, "length": length, "stats": st,
-            "tier": tier, "projection": proj, "resume_seconds": resume_s, "prefill_seconds_session": prefill_s,
+            "tier": tier, "emulated": emulated, "projection": proj, "resume_seconds": resume_s, "prefill_seconds_session": prefill_s,
             "after_resume": again, "kv_read_fraction_of_dense": read / dense_bytes, "model": desc}
 
 

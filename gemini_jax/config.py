@@ -473,6 +473,12 @@ class HardwareConfig:
     mesh: dict = field(default_factory=lambda: {"data": 1, "model": 1})
     present: bool = False  # True only for the tier that describes the machine we run on
     notes: str = ""
+    # Emulation on a machine without this hardware (gemini_jax.tiers.emulate): the reference
+    # workload whose KV split (device / host / disk) a run here copies; None = no emulation.
+    reference_model: Optional[str] = None  # a conf/model preset, e.g. llama3_1_8b
+    reference_context: int = 2097152
+    device_reserve_gb: float = 2.0  # per device: activations, workspace, the runtime
+    host_reserve_gb: float = 16.0  # the OS, the process, pinned staging
 
     def __post_init__(self):
         _require(self.device_memory_gb > 0, f"device_memory_gb={self.device_memory_gb} must be > 0.")
@@ -482,6 +488,13 @@ class HardwareConfig:
                  f"attention_impl={self.attention_impl!r} must be 'xla' or 'pallas'.")
         for k, v in self.mesh.items():
             _require(isinstance(v, int) and v >= 1, f"mesh.{k}={v!r} must be an integer >= 1.")
+        _require(_is_int(self.reference_context) and self.reference_context >= 1,
+                 f"hardware reference_context={self.reference_context!r} must be an integer >= 1.")
+        _require(0 <= self.device_reserve_gb <= self.device_memory_gb,
+                 f"hardware device_reserve_gb={self.device_reserve_gb} must be in [0, device_memory_gb="
+                 f"{self.device_memory_gb}].")
+        _require(0 <= self.host_reserve_gb <= self.host_memory_gb,
+                 f"hardware host_reserve_gb={self.host_reserve_gb} must be in [0, host_memory_gb={self.host_memory_gb}].")
 
     def __hash__(self):
         return hash((self.name, tuple(sorted(self.mesh.items()))))

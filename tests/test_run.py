@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from test_ablate import ROOT, sandbox_env
 
 
@@ -24,4 +26,7 @@ def test_fullstack_job_prints_the_table(tmp_path):
     assert res["length"] == 2048 and res["stats"]["decode_steps"] > 0
     assert res["tier"]["device_slots_per_layer"] < 2048 // 16  # pages really live below the device
     assert res["projection"]["label"] == "projection"
+    # a100_80g is not this machine: the tiers copy its split of the reference workload's KV.
+    assert "EMULATED hardware a100_80g" in out and res["emulated"]["hardware"] == "a100_80g"
+    assert res["emulated"]["tier_device_fraction"] == pytest.approx(0.225, abs=0.01)
     assert os.listdir(tmp_path / "wandb")
