@@ -126,11 +126,6 @@ class Engine:
     def __exit__(self, *exc):
         self.close()
 
-    def _no_tiers(self, what: str) -> None:
-        if self.tiered is not None:
-            raise ConfigError(f"{what} is not supported with tier.enabled yet (snapshots read the whole "
-                              f"device pool); run sessions without tiers.")
-
     # ---- validation -----------------------------------------------------------------------
     def _check_request(self, prompt, params: SamplingParams, what: str) -> np.ndarray:
         toks = validate_tokens(prompt, self.model_cfg.vocab_size, what)
@@ -167,7 +162,6 @@ class Engine:
         """A `Session` over `prompt`: iterate it for tokens; interrupt, snapshot, resume."""
         from gemini_jax.session import Session
 
-        self._no_tiers("Engine.start")
         params = params or SamplingParams()
         toks = self._check_request(prompt, params, "prompt")
         sess = Session(self, params, budget=budget)
@@ -188,7 +182,6 @@ class Engine:
         from gemini_jax.session import audit
         from gemini_jax.session.snapshot import restore_session
 
-        self._no_tiers("Engine.resume")
         sess = restore_session(self, path, params=params, budget=budget)
         try:
             instr = (validate_tokens(instruction_tokens, self.model_cfg.vocab_size, "instruction")

@@ -35,7 +35,12 @@ class Session:
         self.budget = budget
         self.sample_index = sample_index  # which sequence's PRNG stream the sampler draws from
         self.stats = new_stats()
-        self._runner = _PagedRunner(engine, 1, self.stats)
+        if engine.tiered is not None:  # pages in device slots + host RAM + disk, run layer by layer
+            from gemini_jax.tiers.runner import TieredRunner
+
+            self._runner = TieredRunner(engine, 1, self.stats)
+        else:
+            self._runner = _PagedRunner(engine, 1, self.stats)
         self.seq_id = self._runner.ids[0]
         self.prompt_len = 0
         self.generated: list[int] = []
@@ -95,7 +100,10 @@ class Session:
             raise ValueError(f"rewind_to={keep} must be in [1, {self.position}].")
         tokens = self.tokens
         copies = e.kv.truncate(self.seq_id, keep - 1)
-        if copies:
+        if copies and e.tiered is not None:
+            for c in copies:
+                e.tiered.copy_page(c.src, c.dst)
+        elif copies:
             e.k_pool, e.v_pool, e.digests = copy_pages(
                 e.k_pool, e.v_pool, jnp.asarray([c.src for c in copies]), jnp.asarray([c.dst for c in copies]),
                 e.digests)

@@ -78,11 +78,16 @@ def save_snapshot(sess, path: str, *, include_kv: bool = True) -> str:
     seq = e.kv.seqs[sess.seq_id]
     pages = list(seq.pages)
     null = [i for i, p in enumerate(pages) if p == NULL_PAGE]
-    idx = jnp.asarray(pages, jnp.int32)
-    arrays = {"k": np.asarray(e.k_pool[:, :, idx]), "v": np.asarray(e.v_pool[:, :, idx]),
-              "logits": np.asarray(sess.logits[0])}
-    if e.digests is not None:
-        arrays["digests"] = np.asarray(e.digests[:, :, idx])
+    arrays = {"logits": np.asarray(sess.logits[0])}
+    if e.tiered is not None:  # pages wherever they live: device slots, host RAM, disk
+        arrays["k"], arrays["v"], dig = e.tiered.gather(pages)
+        if dig is not None:
+            arrays["digests"] = dig
+    else:
+        idx = jnp.asarray(pages, jnp.int32)
+        arrays["k"], arrays["v"] = np.asarray(e.k_pool[:, :, idx]), np.asarray(e.v_pool[:, :, idx])
+        if e.digests is not None:
+            arrays["digests"] = np.asarray(e.digests[:, :, idx])
     meta = {
         "format": FORMAT,
         "created": time.time(),
@@ -182,7 +187,15 @@ def restore_session(engine, path: str, *, params: SamplingParams | None = None, 
         raise ContextLengthError(f"snapshot holds {len(tokens)} tokens; + max_new_tokens={params.max_new_tokens} "
                                  f"exceeds max_seq_len={engine.config.max_seq_len}.")
     to_fill = engine.kv.restore_sequence(sess.seq_id, tokens, set(meta["null_pages"]))
-    if to_fill:
+    if to_fill and engine.tiered is not None:
+        logical = np.asarray([i for i, _ in to_fill])
+        phys = [p for _, p in to_fill]
+        S = engine.config.cache.block_size
+        last = (len(tokens) - 1) // S  # the partial last page, if any, stays on device
+        partial = [p for i, p in to_fill if i == last and len(tokens) % S]
+        engine.tiered.scatter(phys, arrays["k"][:, :, logical], arrays["v"][:, :, logical],
+                              arrays["digests"][:, :, logical] if "digests" in arrays else None, partial=partial)
+    elif to_fill:
         logical = jnp.asarray([i for i, _ in to_fill])
         phys = jnp.asarray([p for _, p in to_fill])
         engine.k_pool = engine.k_pool.at[:, :, phys].set(jnp.asarray(arrays["k"])[:, :, logical])

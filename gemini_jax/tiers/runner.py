@@ -237,6 +237,62 @@ class TieredKV:
             self.stack.put(key, k[i], v[i])
             self.below.add(key)
 
+    # ---- whole pages in and out (sessions: snapshot, restore, rewind) ---------------------------
+    def gather(self, pages):
+        """Every layer's KV and digests of physical `pages`, wherever each lives -> k, v
+        [L, K, n, S, D] (numpy), digests [L, K, n, R, D] or None. The null page reads as zeros;
+        pages from disk are verified (IntegrityError names a corrupt one)."""
+        cfg, L = self.cfg, self.cfg.num_layers
+        pages = [int(p) for p in pages]
+        k = np.zeros((L, cfg.num_kv_heads, len(pages), self.S, cfg.head_dim), self.np_dtype)
+        v = np.zeros_like(k)
+        for layer in range(L):
+            on_device = [(i, p) for i, p in enumerate(pages) if p != 0 and self.page_to_slot[layer, p] != 0]
+            if on_device:
+                idx = np.asarray([self.page_to_slot[layer, p] for _, p in on_device], np.int32)
+                kk, vv = (np.asarray(a) for a in _read(self.k, self.v, self.layer_ids[layer], idx))
+                for j, (i, _) in enumerate(on_device):
+                    k[layer, :, i], v[layer, :, i] = kk[j], vv[j]
+            for i, p in enumerate(pages):
+                if p == 0 or self.page_to_slot[layer, p] != 0:
+                    continue
+                page = self.stack.get((layer, p)) if (layer, p) in self.below else None
+                if page is None:
+                    raise TierError(f"page (layer={layer}, page={p}) is neither on device nor in a tier below.")
+                k[layer, :, i], v[layer, :, i] = page.k, page.v
+        dig = None if self.digests is None else np.asarray(self.digests[:, :, np.asarray(pages, np.int32)])
+        return k, v, dig
+
+    def scatter(self, pages, k, v, digests=None, *, partial=()) -> None:
+        """Write whole pages (physical ids; k, v [L, K, n, S, D], digests [L, K, n, R, D]) into
+        the tiers: full pages go below the device (as a filled page would); pages in `partial`
+        (not full yet, so never stored below) go into device slots."""
+        pages = [int(p) for p in pages]
+        partial = {int(p) for p in partial}
+        self.forget(pages)  # whatever a slot or a tier held for these ids is stale
+        for layer in range(self.cfg.num_layers):
+            part = []
+            for i, p in enumerate(pages):
+                if p in partial:
+                    part.append((i, p))
+                else:
+                    self.stack.put((layer, p), np.asarray(k[layer, :, i]), np.asarray(v[layer, :, i]))
+                    self.below.add((layer, p))
+            if part:
+                self.admit(layer, [p for _, p in part], fetch=False)
+                idx = np.asarray([self.page_to_slot[layer, p] for _, p in part], np.int32)
+                self.k, self.v = _fill(self.k, self.v, self.layer_ids[layer], idx,
+                                       np.stack([k[layer, :, i] for i, _ in part]),
+                                       np.stack([v[layer, :, i] for i, _ in part]))
+        if digests is not None and self.digests is not None:
+            self.digests = self.digests.at[:, :, np.asarray(pages, np.int32)].set(
+                jnp.asarray(digests, self.digests.dtype))
+
+    def copy_page(self, src: int, dst: int) -> None:
+        """A private copy of partial page `src` at `dst` (a rewind's copy-on-write)."""
+        k, v, dig = self.gather([src])
+        self.scatter([dst], k, v, dig, partial=[dst])
+
     def stats(self) -> dict:
         """Tier counters: device slots, host and disk stores, KV bytes held per tier."""
         pb = self.spec.page_bytes
@@ -275,12 +331,21 @@ class TieredRunner:
         e, sid = self.eng, self.ids[row]
         reused = e.kv.add_sequence(sid, toks)
         self.stats["prefill_tokens_reused"] += reused
-        toks = np.asarray(toks, np.int32)
+        return self._prefill_from(sid, np.asarray(toks, np.int32), reused)
+
+    def prefill_more(self, row, toks):
+        """Append `toks` to sequence `row` (an instruction after an interrupt); last logits."""
+        sid = self.ids[row]
+        have = np.asarray(self.eng.kv.seqs[sid].tokens, np.int32)
+        return self._prefill_from(sid, np.concatenate([have, np.asarray(toks, np.int32)]), len(have))
+
+    def _prefill_from(self, sid, toks, start):
+        e = self.eng
         logits = None
-        for padded, pos, n in e._prefill_chunks(toks, reused):
-            start, end = int(pos[0]), int(pos[0]) + n
+        for padded, pos, n in e._prefill_chunks(toks, start):
+            first, end = int(pos[0]), int(pos[0]) + n
             self._reserve(sid, end)
-            logits, _ = self._call([sid], padded[None], pos[None], np.array([start]), np.array([end]),
+            logits, _ = self._call([sid], padded[None], pos[None], np.array([first]), np.array([end]),
                                    np.array([n - 1]), decode=False)
             e.kv.commit(sid, padded[:n])
             self._drop_window(sid)
