@@ -227,12 +227,19 @@ def run_fullstack(cfg, model, tok, desc):
     kv_total = length * per_token_kv
     hits, misses = st["prefetch_hits"], st["prefetch_misses"]
 
-    # 2. Interrupt, snapshot, resume (sessions run on the paged + sparse cache, all pages on device).
-    scfg = gj.config.replace(ecfg, tier=gj.config.TierConfig())
+    # 2. Interrupt, snapshot, resume: a session on the same cache configuration (tiers included),
+    # resumed by a second engine (a new process would do the same), each with its own disk tier.
+    def session_cfg(name):
+        if not ecfg.tier.enabled or ecfg.tier.disk_path is None:
+            return ecfg
+        return gj.config.replace(ecfg, tier=gj.config.replace(ecfg.tier, disk_path=os.path.join(
+            ecfg.tier.disk_path, name)))
+
     snap_dir = ex.snapshot_dir or tempfile.mkdtemp(prefix="gj_fullstack_")
     instr = tok.encode(str(ex.instruction))
+    eng2 = eng3 = None
     try:
-        eng2 = gj.Engine(model, scfg)
+        eng2 = gj.Engine(model, session_cfg("session"))
         t0 = time.perf_counter()
         sess = eng2.start(example.prompt, SamplingParams(max_new_tokens=int(ex.interrupt_after) + answer_len,
                                                          temperature=0.0))
@@ -245,14 +252,17 @@ def run_fullstack(cfg, model, tok, desc):
         path = os.path.join(snap_dir, "snap")
         sess.snapshot(path)
         sess.close()
-        del eng2
-        eng3 = gj.Engine(model, scfg)
+        eng2.close()
+        eng3 = gj.Engine(model, session_cfg("resumed"))
         t0 = time.perf_counter()
         resumed = eng3.resume(path, instr, params=greedy)
         resume_s = time.perf_counter() - t0
         after = list(resumed)
         resumed.close()
     finally:
+        for eng_ in (eng2, eng3):
+            if eng_ is not None:
+                eng_.close()
         if not ex.snapshot_dir:
             shutil.rmtree(snap_dir, ignore_errors=True)
     again = tok.decode(after)

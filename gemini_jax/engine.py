@@ -117,8 +117,9 @@ class Engine:
 
     def close(self) -> None:
         """Stop the tiers' I/O threads and flush pending disk writes (no-op without tiers)."""
-        if self.tiered is not None:
+        if self.tiered is not None and not getattr(self, "_closed", False):
             self.tiered.close()
+        self._closed = True
 
     def __enter__(self):
         return self
