@@ -168,6 +168,9 @@ class TieredKV:
         self.hot = HotZone(tc, L)
         self.below: set = set()
         self.np_dtype = self.spec.np_dtype
+        # Research hook: set to a list to record every sparse selection ({"layer", "decode",
+        # "positions", "selected": logical ids [B, K, k]}); None records nothing.
+        self.selection_log: list | None = None
         # Device scalars made once: creating one per layer per call is a dispatch each time.
         self.layer_ids = [jnp.int32(layer) for layer in range(L)]
         self.windows = [jnp.int32(w) for w in cfg.layer_windows]
@@ -456,6 +459,9 @@ class TieredRunner:
                                               block_size=S))
                 if sp.positions == "compact":  # from the whole selection, before it splits into groups
                     shift = compact_shift(selected, S)
+                if t.selection_log is not None:
+                    t.selection_log.append({"layer": layer, "decode": decode, "selected": selected,
+                                            "positions": np.array(positions)})
             else:
                 selected = self._dense_needed(bt, positions, ends, window)
             reads += int(np.sum(selected >= 0)) * (cfg.num_kv_heads if selected.shape[1] == 1 else 1)
