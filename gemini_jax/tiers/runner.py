@@ -64,9 +64,6 @@ def _embed(graphdef, params, tokens):
     return nnx.merge(graphdef, params).embed_tokens(tokens)
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _qkv(graphdef, params, layer, h, positions):
-    return nnx.merge(graphdef, params).layer_qkv(layer, h, positions)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -97,18 +94,33 @@ def _lookahead_next(graphdef, params, logits, positions, digests, page_table, wi
     return select_step(sp, digests[0], q, positions, page_table, block_size=block_size, window=window)
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=(1, 2, 3))
-def _write(kind, k_slots, v_slots, digests, layer, k, v, positions, slot_table, page_table, lengths):
-    """New K/V into their slots (slot_table: logical page -> slot); digests by page id."""
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("kind", "sp", "block_size"), donate_argnums=(1, 2, 3))
+def _front(graphdef, k_slots, v_slots, digests, params, layer, h, positions, slot_table, page_table, lengths, window,
+           *, kind, sp, block_size):
+    """A layer's first half in one call: q/k/v, the new K/V into their slots, digests refreshed, and
+    (sp not None) the pages the queries select. One dispatch instead of three per layer."""
+    q, k, v = nnx.merge(graphdef, params).layer_qkv(layer, h, positions)
     k_slots, v_slots = write_pages(k_slots, v_slots, layer, k, v, positions, slot_table, lengths)
     if kind is not None:
         digests = D.update(kind, digests, k_slots, layer, positions, slot_table, lengths, digest_tables=page_table)
-    return k_slots, v_slots, digests
+    selected = None
+    if sp is not None:
+        selected = select_step(sp, digests[layer], q, positions, page_table, block_size=block_size, window=window)
+    return q, k_slots, v_slots, digests, selected
 
 
-@functools.partial(jax.jit, static_argnames=("sp", "block_size"))
-def _select(digests, layer, q, positions, page_table, window, *, sp, block_size):
-    return select_step(sp, digests[layer], q, positions, page_table, block_size=block_size, window=window)
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("scale", "cap"))
+def _back(graphdef, params, layer, h, q, positions, k_slots, v_slots, slot_table, lengths, selected, window,
+          page_shift=None, inv_freq=None, *, scale, cap):
+    """A layer's second half in one call when its pages fit the slots at once: attention, then the
+    output projection and MLP."""
+    out = sparse_attention(q, positions, k_slots[layer], v_slots[layer], slot_table, lengths, selected,
+                           scale=scale, cap=cap, window=window, page_shift=page_shift, inv_freq=inv_freq)
+    return nnx.merge(graphdef, params).layer_finish(layer, h, out.astype(q.dtype))
+
+
+
+
 
 
 @functools.partial(jax.jit, donate_argnums=(0, 1))
@@ -433,7 +445,6 @@ class TieredRunner:
         for layer in range(L):
             lyr = t.layer_ids[layer]
             window = int(windows[layer])
-            q, k, v = _qkv(e.graphdef, e.params, lyr, h, pos_d)
             # Lookahead targets: layer l+depth; layer 0 also covers 1 .. depth-1 (no earlier input
             # exists in this step). Dispatched now, read after this layer attends.
             targets = range(1, depth + 1) if layer == 0 else (layer + depth,)
@@ -449,14 +460,15 @@ class TieredRunner:
                     f"do not fit {t.slots.capacity} device slots: lower prefill_chunk or max_batch, or raise "
                     f"tier.device_pages / device_fraction. ({err})") from None
             slot_table = t.page_to_slot[layer][bt]  # fresh array: passed as is (no eager device_put)
-            t.k, t.v, t.digests = _write(sp.digest if sp.enabled else None, t.k, t.v, t.digests, lyr, k, v,
-                                         pos_d, slot_table, bt_d, ends_d)
+            sparse_here = sp.enabled and layer >= sp.dense_layers and (T == 1 or sp.sparse_prefill)
+            q, t.k, t.v, t.digests, sel_d = _front(
+                e.graphdef, t.k, t.v, t.digests, e.params, lyr, h, pos_d, slot_table, bt_d, ends_d, t.windows[layer],
+                kind=sp.digest if sp.enabled else None, sp=sp if sparse_here else None, block_size=S)
             t.put_below(layer, fill_pages_ids)
             # Which pages the queries read.
             shift = None
-            if sp.enabled and layer >= sp.dense_layers and (T == 1 or sp.sparse_prefill):
-                selected = np.asarray(_select(t.digests, lyr, q, pos_d, bt_d, t.windows[layer], sp=sp,
-                                              block_size=S))
+            if sparse_here:
+                selected = np.asarray(sel_d)
                 if sp.positions == "compact":  # from the whole selection, before it splits into groups
                     shift = compact_shift(selected, S)
                 if t.selection_log is not None:
@@ -471,13 +483,12 @@ class TieredRunner:
                 t.hot.record((layer, int(bt[b, p])) for b in range(B) for p in np.unique(selected[b])
                              if p >= 0 and bt[b, p] != 0)
             t.predictor.observe(layer, bt, selected, ends)
-            out = self._attend_groups(layer, q, pos_d, bt, ends_d, selected, window, shift)
+            h = self._attend_groups(layer, q, pos_d, bt, ends_d, selected, window, shift, h)
             t.prefetcher.release_layer(layer)
             for j, sel_j in ahead.items():
                 t.predictor.speculate(j, bt, np.asarray(sel_j), ends)
             t.prefetcher.schedule(key for key in t.predictor.predict(layer)
                                   if key in t.below and t.page_to_slot[key] == 0)
-            h = _finish(e.graphdef, e.params, lyr, h, out)
         logits = _logits(e.graphdef, e.params, h, np.asarray(select, np.int32))
         if ahead_on and sp.dense_layers == 0 and int(np.max(ends)) < bt.shape[1] * S:
             # The next step's layer 0 has no earlier layer to guess from: use this step's argmax token.
@@ -511,9 +522,10 @@ class TieredRunner:
             out[b, 0, :len(r)] = r
         return out
 
-    def _attend_groups(self, layer, q, pos_d, bt, ends_d, selected, window, shift=None):
-        """Attention over `selected` [B, K, n] in column groups whose pages fit the free slots
-        (`shift` [B, K, n]: compact positions' per-page position change, or None)."""
+    def _attend_groups(self, layer, q, pos_d, bt, ends_d, selected, window, shift, h):
+        """Layer `layer`'s second half: attention over `selected` [B, K, n] in column groups whose
+        pages fit the free slots (`shift` [B, K, n]: compact positions' per-page position change, or
+        None), then the rest of the layer on `h`. Returns the layer's output."""
         t, cfg = self.t, self.eng.model_cfg
         B, K, n = selected.shape
         pinned = {p for (l, p) in t.slots._pinned if l == layer and t.page_to_slot[l, p] != 0}  # resident pins
@@ -538,6 +550,12 @@ class TieredRunner:
                     f"{t.slots.capacity} device slots, {len(pinned)} of them pinned, cannot hold them; "
                     f"raise tier.device_pages / device_fraction or lower the batch, prefill_chunk or pins.")
             groups *= 2
+        e = self.eng
+        if len(parts) == 1:  # the common case: one fused call
+            t.admit(layer, sorted(sets[0]), fetch=True)
+            return _back(e.graphdef, e.params, t.layer_ids[layer], h, q, pos_d, t.k, t.v, t.page_to_slot[layer][bt],
+                         ends_d, selected, t.windows[layer], shift, None if shift is None else self.inv_freq,
+                         scale=cfg.scale, cap=cfg.attn_softcap)
         acc = acc_lse = None
         for cols, pages in zip(parts, sets):
             t.admit(layer, sorted(pages), fetch=True)
@@ -552,5 +570,5 @@ class TieredRunner:
                                    t.windows[layer], acc, acc_lse,
                                    sh, None if sh is None else self.inv_freq,
                                    scale=cfg.scale, cap=cfg.attn_softcap)
-        return acc
+        return _finish(e.graphdef, e.params, t.layer_ids[layer], h, acc)
 
