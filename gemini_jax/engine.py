@@ -17,6 +17,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm import tqdm
 from flax import nnx
 
 from gemini_jax.attention import digests
@@ -50,6 +51,9 @@ class GenerateOutput:
     stats: dict
     logits: Optional[list] = None
     seconds: dict = field(default_factory=dict)
+
+
+PREFILL_PROGRESS_CHUNKS = 64  # prompts of at least this many prefill chunks show a progress bar
 
 
 def _pow2_at_least(n: int, floor: int = 1) -> int:
@@ -288,7 +292,10 @@ class Engine:
         """(padded chunk, positions, real length) pieces of toks[start:], padded to powers of two
         (so few shapes compile)."""
         chunk = self.config.prefill_chunk
-        for s in range(start, len(toks), chunk):
+        starts = range(start, len(toks), chunk)
+        # Long prompts (minutes on a CPU) show a progress bar on stderr; short ones stay quiet.
+        for s in tqdm(starts, desc="prefill", unit="chunk", disable=len(starts) < PREFILL_PROGRESS_CHUNKS,
+                      leave=False):
             piece = toks[s:s + chunk]
             n = len(piece)
             width = min(_pow2_at_least(n, 16), max(chunk, n))
