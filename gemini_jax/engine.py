@@ -334,7 +334,25 @@ class _ContiguousRunner:
         self.cache = None
 
 
-class _PagedRunner:
+class _PrefillRunner:
+    """Prompt and instruction prefill shared by the runners over the page pool (all-resident or
+    tiered); a subclass supplies `_prefill_from(sid, toks, start)`."""
+
+    def prefill(self, row, toks):
+        """Add sequence `row` with prompt `toks` (reusing cached prefix pages); last logits."""
+        e, sid = self.eng, self.ids[row]
+        reused = e.kv.add_sequence(sid, toks)
+        self.stats["prefill_tokens_reused"] += reused
+        return self._prefill_from(sid, np.asarray(toks, np.int32), reused)
+
+    def prefill_more(self, row, toks):
+        """Append `toks` to sequence `row` (an instruction after an interrupt); last logits."""
+        sid = self.ids[row]
+        have = np.asarray(self.eng.kv.seqs[sid].tokens, np.int32)
+        return self._prefill_from(sid, np.concatenate([have, np.asarray(toks, np.int32)]), len(have))
+
+
+class _PagedRunner(_PrefillRunner):
     """Sequences in the engine's persistent page pool; freed (pages cached) on close."""
 
     def __init__(self, eng: Engine, B: int, stats: dict):
@@ -356,19 +374,6 @@ class _PagedRunner:
         logits, cache = e._step(e.params, cache, tokens, positions, jnp.asarray(select, jnp.int32))
         e.k_pool, e.v_pool, e.digests = cache.k, cache.v, cache.digests
         return logits, width, cache.page_reads  # a device scalar: read (synced) by decode only
-
-    def prefill(self, row, toks):
-        """Add sequence `row` with prompt `toks` (reusing cached prefix pages); last logits."""
-        e, sid = self.eng, self.ids[row]
-        reused = e.kv.add_sequence(sid, toks)
-        self.stats["prefill_tokens_reused"] += reused
-        return self._prefill_from(sid, np.asarray(toks, np.int32), reused)
-
-    def prefill_more(self, row, toks):
-        """Append `toks` to sequence `row` (an instruction after an interrupt); last logits."""
-        sid = self.ids[row]
-        have = np.asarray(self.eng.kv.seqs[sid].tokens, np.int32)
-        return self._prefill_from(sid, np.concatenate([have, np.asarray(toks, np.int32)]), len(have))
 
     def _prefill_from(self, sid, toks, start):
         e = self.eng

@@ -41,7 +41,7 @@ from gemini_jax.attention import digests as D
 from gemini_jax.attention.select import compact_shift, select_step
 from gemini_jax.attention.sparse import merge_parts, sparse_attention
 from gemini_jax.cache.paged import write_pages
-from gemini_jax.engine import _call_width
+from gemini_jax.engine import _call_width, _PrefillRunner
 from gemini_jax.errors import CacheExhausted
 from gemini_jax.model import layers as L
 from gemini_jax.tiers.errors import TierError
@@ -331,7 +331,7 @@ def t_digest_itemsize(t: TieredKV) -> int:
     return 0 if t.digests is None else t.digests.dtype.itemsize
 
 
-class TieredRunner:
+class TieredRunner(_PrefillRunner):
     """Sequences of one `generate` batch, run layer by layer over `TieredKV`."""
 
     def __init__(self, eng, B: int, stats: dict):
@@ -341,19 +341,7 @@ class TieredRunner:
         self.window = eng.model_cfg.max_window
         self.inv_freq = jnp.asarray(L.inv_frequencies(eng.model_cfg.rope, eng.model_cfg.head_dim))
 
-    # ---- the engine's runner interface --------------------------------------------------------
-    def prefill(self, row, toks):
-        e, sid = self.eng, self.ids[row]
-        reused = e.kv.add_sequence(sid, toks)
-        self.stats["prefill_tokens_reused"] += reused
-        return self._prefill_from(sid, np.asarray(toks, np.int32), reused)
-
-    def prefill_more(self, row, toks):
-        """Append `toks` to sequence `row` (an instruction after an interrupt); last logits."""
-        sid = self.ids[row]
-        have = np.asarray(self.eng.kv.seqs[sid].tokens, np.int32)
-        return self._prefill_from(sid, np.concatenate([have, np.asarray(toks, np.int32)]), len(have))
-
+    # ---- the engine's runner interface (prefill / prefill_more: _PrefillRunner) ---------------
     def _prefill_from(self, sid, toks, start):
         e = self.eng
         logits = None
