@@ -88,7 +88,7 @@ def main(argv=None) -> int:
                            "hit": hit.tolist()})
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "command": "python experiments/needle_diagnose.py " + " ".join(sys.argv[1:] if argv is None else argv),
-              "args": vars(a), "num_layers": cfg.num_layers, "num_kv_heads": cfg.num_kv_heads, "trials": trials}
+              "args": {**vars(a), "out": os.path.relpath(a.out, os.path.dirname(HERE))}, "num_layers": cfg.num_layers, "num_kv_heads": cfg.num_kv_heads, "trials": trials}
     name = a.name or f"{a.positions}_{a.digest}_{a.budget}"
     os.makedirs(a.out, exist_ok=True)
     stem = os.path.join(a.out, f"needle_diagnosis_{name}")

@@ -108,7 +108,7 @@ def main(argv=None) -> int:
     kv_total = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4 * max_len
     result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "command": "python experiments/tier_scale.py " + " ".join(sys.argv[1:] if argv is None else argv),
-              "args": vars(a), "needle_at": ex.needle_at, "kv_bytes_total": kv_total, "runs": runs}
+              "args": {**vars(a), "out": os.path.relpath(a.out, os.path.dirname(HERE))}, "needle_at": ex.needle_at, "kv_bytes_total": kv_total, "runs": runs}
     if a.resident:
         result["same_answer"] = runs[0]["answer"] == runs[1]["answer"]
     os.makedirs(a.out, exist_ok=True)
