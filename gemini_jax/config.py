@@ -400,8 +400,6 @@ class EngineConfig:
             _require(self.attention_impl == "xla",
                      f"tier.enabled runs attention layer by layer on the XLA path; set attention_impl='xla' "
                      f"(got {self.attention_impl!r}).")
-            _require(self.mesh_devices == 1, "tier.enabled is not supported on a device mesh yet; set "
-                     "mesh={data: 1, model: 1} or disable tiers.")
             _require(t.pin_local_pages >= 1,
                      f"tier.pin_local_pages={t.pin_local_pages}: the engine keeps each sequence's partial last "
                      f"page on device (it is not stored below until full); it must be >= 1.")

@@ -81,8 +81,13 @@ class Engine:
 
             # Pages live in device slots and the tiers below; there is no whole-pool array.
             self.kv = KVCacheManager(self.config.num_pages, c.block_size, prefix_caching=c.prefix_caching)
-            self.tiered = TieredKV(self)
             self.mesh = None
+            if self.config.mesh_devices > 1:
+                from gemini_jax import distributed
+
+                self.mesh = distributed.make_mesh(self.config.mesh, model.cfg)
+                self.params = distributed.shard_params(self.params, self.mesh)
+            self.tiered = TieredKV(self)
             # Unused for calls (they go through the runner); built for its config checks.
             backend = paged_backend(model.cfg, "xla", self.config.sparse)
         elif c.kind == "paged":

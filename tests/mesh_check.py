@@ -1,7 +1,8 @@
 """Run by tests/test_mesh.py in a subprocess with 8 fake CPU devices; prints one JSON line.
 
 Checks: meshes (1x8), (2x4), (8x1) give the single-device logits (dense paged, sparse, resume
-from a snapshot); a snapshot saved on (1x8) restores on (2x4); the pool's per-device share is
+from a snapshot), also over tiers on (1x8) and (2x4); a snapshot saved on (1x8) restores on (2x4)
+(all-resident and tiered) and one saved over tiers restores single-device; the pool's per-device share is
 1/model of it; the compiled decode step has no all-gather of pool-sized operands; bad meshes
 raise ConfigError.
 """
@@ -22,6 +23,7 @@ import numpy as np  # noqa: E402
 import gemini_jax as gj  # noqa: E402
 from gemini_jax.cache.paged import PagedKV  # noqa: E402
 from gemini_jax.errors import ConfigError  # noqa: E402
+from gemini_jax.tiers import runner as tiers_runner  # noqa: E402
 from helpers import random_model, random_prompts, tiny_config  # noqa: E402
 
 seed = int(sys.argv[1])
@@ -35,10 +37,21 @@ SPARSE = {"dense": {}, "sparse": dict(enabled=True, budget=24, sink_pages=1, loc
 report = {"seed": seed, "max_err": {}, "tokens_equal": {}}
 
 
-def engine(mesh=None, sparse=None):
+def engine(mesh=None, sparse=None, tier=None):
     return gj.Engine(model, gj.config.from_dict(gj.EngineConfig, dict(
         max_seq_len=96, prefill_chunk=16, max_batch=2, cache=dict(block_size=8), sparse=sparse or {},
-        mesh=mesh)))
+        mesh=mesh, tier=tier or {})))
+
+
+tmp = tempfile.mkdtemp()
+
+
+def tier(name, slots=8):
+    """`slots` device slots per layer (of 25 pages), 4 (layer, page) units in host RAM, the rest on
+    disk. A sparse column holds up to one page per kv head and row (8 x 2 here), so sparse runs
+    need 16 slots."""
+    return dict(enabled=True, device_pages=slots, host_pages=4, prefetch_depth=2, hot_threshold=0, pin_local_pages=1,
+                disk_path=os.path.join(tmp, "tier-" + name))
 
 
 refs = {k: engine(None, sp).generate(prompts, params, return_logits=True) for k, sp in SPARSE.items()}
@@ -63,24 +76,67 @@ for mname, mesh in MESHES.items():
         report["all_gathers"] = [[t, s] for t, s in gathers]
         report["pool_elems_per_device"] = int(shard.size)
 
+# Over tiers: each shard of kv heads has its own host pool and zarr array on disk. The first
+# call of each jitted per-layer piece (a decode step) is recorded, to inspect its compiled HLO for all-gathers.
+report["tiered"] = {}
+seen = {}
+
+
+def recording(name, fn):
+    def call(*args, **kwargs):
+        seen[name] = (args, kwargs)  # the last call: a decode step
+        return fn(*args, **kwargs)
+    return call
+
+
+ORIG = {name: getattr(tiers_runner, name) for name in ("_front", "_back")}
+for name, fn in ORIG.items():
+    setattr(tiers_runner, name, recording(name, fn))
+for mname in ("1x8", "2x4"):
+    for sname, sp in SPARSE.items():
+        key = f"tiered {mname}/{sname}"
+        with engine(MESHES[mname], sp, tier(key.replace(" ", "-").replace("/", "-"), 16 if sp else 8)) as eng:
+            out = eng.generate(prompts, params, return_logits=True)
+            st = eng.tier_stats()
+            t = eng.tiered
+            report["max_err"][key] = float(max(np.abs(a - b).max() for a, b in zip(out.logits, refs[sname].logits)))
+            report["tokens_equal"][key] = out.tokens == refs[sname].tokens
+            report["tiered"][key] = {
+                "slot_share": t.k.addressable_shards[0].data.size / t.k.size, "slot_spec": str(t.k.sharding.spec),
+                "shard_dirs": sorted(os.listdir(os.path.join(tmp, "tier-" + key.replace(" ", "-").replace("/", "-")))),
+                "pages_fetched_disk": out.stats["pages_fetched_disk"],
+                "pages_fetched_host": out.stats["pages_fetched_host"], "shards": st["shards"],
+                "slot_elems_per_device": int(t.k.addressable_shards[0].data.size)}
+        if mname == "1x8":
+            gathers = []
+            for name, (args, kwargs) in seen.items():
+                hlo = ORIG[name].lower(*args, **kwargs).compile().as_text()
+                gathers += [[name, ty, sh] for ty, sh in re.findall(r"= (\w+)\[([\d,]*)\][^ ]* all-gather", hlo)]
+            report["tiered"][key]["all_gathers"] = gathers
+            seen.clear()
+
 # Resume from a snapshot: taken single-device and on (1x8); restored on (1x8), (2x4) and single.
-tmp = tempfile.mkdtemp()
 snaps = {}
-for name, mesh in (("single", None), ("1x8", MESHES["1x8"])):
-    eng = engine(mesh)
+for name, mesh, tr in (("single", None, None), ("1x8", MESHES["1x8"], None),
+                       ("1x8 tiered", MESHES["1x8"], tier("snap"))):
+    eng = engine(mesh, tier=tr)
     sess = eng.start(prompts[1], gj.SamplingParams(max_new_tokens=4, stop_at_eos=False))
     sess.run()
-    snaps[name] = os.path.join(tmp, name)
+    snaps[name] = os.path.join(tmp, name.replace(" ", "-"))
     sess.snapshot(snaps[name])
     sess.close()
+    eng.close()
 instr = random_prompts(rng, cfg.vocab_size, (7,))[0]
 resumed = {}
-for snap_name, eng_name, mesh in (("single", "single", None), ("1x8", "1x8", MESHES["1x8"]),
-                                  ("1x8", "2x4", MESHES["2x4"]), ("1x8", "single", None)):
-    eng = engine(mesh)
+for snap_name, eng_name, mesh, tr in (("single", "single", None, None), ("1x8", "1x8", MESHES["1x8"], None),
+                                      ("1x8", "2x4", MESHES["2x4"], None), ("1x8", "single", None, None),
+                                      ("1x8", "2x4 tiered", MESHES["2x4"], tier("resume")),
+                                      ("1x8 tiered", "single", None, None)):
+    eng = engine(mesh, tier=tr)
     r = eng.resume(snaps[snap_name], instr, params=gj.SamplingParams(max_new_tokens=5, stop_at_eos=False))
     resumed[f"{snap_name}->{eng_name}"] = r.run()
     r.close()
+    eng.close()
 report["resume_equal"] = len({tuple(v) for v in resumed.values()}) == 1
 report["resumed"] = resumed
 

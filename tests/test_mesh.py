@@ -1,5 +1,5 @@
-"""Sharding over a device mesh (8 fake CPU devices in a subprocess): exactness, memory share,
-no KV all-gather, snapshots across mesh shapes, bad meshes."""
+"""Sharding over a device mesh (8 fake CPU devices in a subprocess): exactness (all-resident and
+over tiers), memory share, no KV all-gather, snapshots across mesh shapes, bad meshes."""
 
 import json
 import os
@@ -38,7 +38,28 @@ def test_no_kv_all_gather_in_decode_step(report):
         assert size < pool / 4, f"all-gather of {dtype}[{shape}] is pool-sized"
 
 
+def test_tiers_are_sharded_by_kv_head(report):
+    """Over tiers each device holds 1/model of the slots, each shard of heads has its own zarr
+    array on disk, and dense runs really fetch pages back from disk (through every shard)."""
+    for key, t in report["tiered"].items():
+        m = 8 if "1x8" in key else 4
+        assert t["slot_share"] == pytest.approx(1 / m), key
+        assert "model" in t["slot_spec"], key
+        assert t["shards"] == m and t["shard_dirs"] == [f"shard{i}of{m}" for i in range(m)], key
+        if "dense" in key:
+            assert t["pages_fetched_disk"] > 0, key
+
+
+def test_no_kv_all_gather_in_tiered_decode_step(report):
+    for key, t in report["tiered"].items():
+        for name, dtype, shape in t.get("all_gathers", []):
+            size = int(np.prod([int(d) for d in shape.split(",") if d])) if shape else 1
+            assert size < t["slot_elems_per_device"] / 4, f"{key}: {name} all-gathers {dtype}[{shape}]"
+    assert any("all_gathers" in t for t in report["tiered"].values())
+
+
 def test_snapshot_restores_across_mesh_shapes(report):
+    assert {"1x8->2x4", "1x8->2x4 tiered", "1x8 tiered->single"} <= set(report["resumed"])
     assert report["resume_equal"], report["resumed"]
 
 

@@ -141,7 +141,6 @@ def test_unwritable_disk_path_fails_at_construction(tmp_path):
 @pytest.mark.parametrize("over, field", [
     (dict(attention_impl="pallas"), "attention_impl"),
     (dict(cache=CacheConfig(kind="contiguous")), "cache.kind"),
-    (dict(mesh={"data": 2, "model": 1}), "mesh"),
 ])
 def test_tier_config_conflicts_name_the_field(over, field):
     base = dict(max_seq_len=256, max_batch=1, tier=TierConfig(enabled=True, device_fraction=0.5))

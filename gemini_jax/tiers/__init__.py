@@ -15,11 +15,12 @@ from gemini_jax.tiers.errors import IncompletePage, PageMissing, TierError
 from gemini_jax.tiers.page import PageKey, PageSpec, page_digest
 from gemini_jax.tiers.prefetch import Predictor, Prefetcher
 from gemini_jax.tiers.residency import Admission, DeviceSlots, HotZone
+from gemini_jax.tiers.sharded import ShardedTierStack
 from gemini_jax.tiers.stack import Fetched, TierStack
 from gemini_jax.tiers.stores import DiskStore, HostStore
 
 __all__ = [
     "Admission", "DeviceSlots", "DiskStore", "Fetched", "HostStore", "HotZone", "IncompletePage",
-    "PageKey", "PageMissing", "PageSpec", "Predictor", "Prefetcher", "RunCounters", "TierConfig",
+    "PageKey", "PageMissing", "PageSpec", "Predictor", "Prefetcher", "RunCounters", "ShardedTierStack", "TierConfig",
     "TierError", "TierStack", "measure_disk", "page_digest", "project", "project_all",
 ]

@@ -48,6 +48,7 @@ from gemini_jax.tiers.errors import TierError
 from gemini_jax.tiers.page import PageSpec
 from gemini_jax.tiers.prefetch import Predictor, Prefetcher
 from gemini_jax.tiers.residency import DeviceSlots, HotZone
+from gemini_jax.tiers.sharded import ShardedTierStack
 from gemini_jax.tiers.stack import TierStack
 
 
@@ -164,17 +165,34 @@ class TieredKV:
         self.n_slots = tc.device_slots(self.num_pages)
         self.slots = DeviceSlots(L, self.n_slots + 1, reserved=(0,))  # slot 0: null, never written
         shape = (L, cfg.num_kv_heads, self.n_slots + 1, S, cfg.head_dim)
-        self.k = jnp.zeros(shape, self.dtype)  # zeros: masked reads of unfilled slots stay finite
-        self.v = jnp.zeros(shape, self.dtype)
+        # On a mesh the slots and digests are sharded by kv head over `model` (as the all-resident
+        # pool is), pages cross to the device already split by head (`_page_sharding`), and each
+        # shard of heads has its own stores below (`ShardedTierStack`).
+        self.mesh = eng.mesh
+        pool = None
+        self._page_sharding = None
+        if self.mesh is not None:
+            from jax.sharding import NamedSharding, PartitionSpec
+
+            from gemini_jax import distributed
+
+            pool = distributed.pool_sharding(self.mesh)
+            self._page_sharding = NamedSharding(self.mesh, PartitionSpec(None, "model", None, None))
+        # zeros: masked reads of unfilled slots stay finite
+        self.k = jnp.zeros(shape, self.dtype, device=pool)
+        self.v = jnp.zeros(shape, self.dtype, device=pool)
         sp = ec.sparse
         self.digests = None
         if sp.enabled:
             ddt = jnp.dtype(sp.digest_dtype or self.dtype)
             self.digests = D.create(sp.digest, L, cfg.num_kv_heads, self.num_pages, cfg.head_dim, ddt)
+            if pool is not None:
+                self.digests = jax.device_put(self.digests, pool)
         self.page_to_slot = np.zeros((L, self.num_pages), np.int32)
         self.spec = PageSpec(num_layers=L, num_pages=self.num_pages, kv_heads=cfg.num_kv_heads, block_size=S,
                              head_dim=cfg.head_dim, dtype=jnp.dtype(self.dtype).name)
-        self.stack = TierStack(self.spec, tc)
+        shards = 1 if self.mesh is None else self.mesh.shape["model"]
+        self.stack = TierStack(self.spec, tc) if shards == 1 else ShardedTierStack(self.spec, tc, shards)
         self.prefetcher = Prefetcher(self.stack, capacity=tc.staging_pages, workers=tc.io_workers)
         self.predictor = Predictor(tc, L, block_size=S)
         self.hot = HotZone(tc, L)
@@ -234,7 +252,14 @@ class TieredKV:
             vs += [vs[0]] * pad
         idx = np.full(n, self.n_slots + 1, np.int32)
         idx[:len(slots)] = slots
-        self.k, self.v = _fill(self.k, self.v, self.layer_ids[layer], idx, np.stack(ks), np.stack(vs))
+        self._fill_slots(layer, idx, np.stack(ks), np.stack(vs))
+
+    def _fill_slots(self, layer, idx, k, v) -> None:
+        """Pages k, v [n, K, S, D] (numpy) into slots `idx` [n] of `layer`. On a mesh each device
+        receives only its heads of the pages."""
+        if self._page_sharding is not None:
+            k, v = jax.device_put(k, self._page_sharding), jax.device_put(v, self._page_sharding)
+        self.k, self.v = _fill(self.k, self.v, self.layer_ids[layer], idx, k, v)
 
     def put_below(self, layer: int, pages) -> None:
         """Full pages of `layer` (resident) go down the tiers."""
@@ -296,9 +321,8 @@ class TieredKV:
             if part:
                 self.admit(layer, [p for _, p in part], fetch=False)
                 idx = np.asarray([self.page_to_slot[layer, p] for _, p in part], np.int32)
-                self.k, self.v = _fill(self.k, self.v, self.layer_ids[layer], idx,
-                                       np.stack([k[layer, :, i] for i, _ in part]),
-                                       np.stack([v[layer, :, i] for i, _ in part]))
+                self._fill_slots(layer, idx, np.stack([np.asarray(k[layer, :, i]) for i, _ in part]),
+                                 np.stack([np.asarray(v[layer, :, i]) for i, _ in part]))
         if digests is not None and self.digests is not None:
             self.digests = self.digests.at[:, :, np.asarray(pages, np.int32)].set(
                 jnp.asarray(digests, self.digests.dtype))
@@ -310,14 +334,15 @@ class TieredKV:
 
     def stats(self) -> dict:
         """Tier counters: device slots, host and disk stores, KV bytes held per tier."""
-        pb = self.spec.page_bytes
-        host = len(self.stack.host)
+        held = self.stack.bytes_held()
+        per_device = sum(a.addressable_shards[0].data.nbytes for a in (self.k, self.v))
         out = {"device_slots_per_layer": self.n_slots, "device_hits": self.slots.hits,
                "device_misses": self.slots.misses, "device_evictions": self.slots.evictions,
-               "kv_bytes_device": int(self.k.nbytes + self.v.nbytes), "kv_bytes_host": host * pb,
+               "kv_bytes_device": int(self.k.nbytes + self.v.nbytes), "kv_bytes_per_device": int(per_device),
+               "kv_bytes_host": held["host"],
                **self.stack.stats(), **{k: v for k, v in self.prefetcher.stats.items()}}
-        if self.stack.disk is not None:
-            out["kv_bytes_disk"] = len(self.stack.disk.committed_pages()) * pb
+        if held["disk"] is not None:
+            out["kv_bytes_disk"] = held["disk"]
         if self.digests is not None:
             out["digest_bytes_device"] = int(self.digests.nbytes)
         return out

@@ -98,6 +98,16 @@ class TierStack:
     def get_async(self, key: PageKey) -> "Future[Optional[Fetched]]":
         return self._readers.submit(self.get, key)
 
+    def host_pages(self) -> int:
+        """(layer, page) units held in host RAM."""
+        return len(self.host)
+
+    def bytes_held(self) -> dict:
+        """KV bytes held per tier: {"host": int, "disk": int (committed pages) or None}."""
+        pb = self.spec.page_bytes
+        return {"host": len(self.host) * pb,
+                "disk": None if self.disk is None else len(self.disk.committed_pages()) * pb}
+
     def stats(self) -> dict:
         """Counters of the tiers below the device."""
         out = {"host_pages": len(self.host), "host_hits": self.host.hits, "host_misses": self.host.misses,
