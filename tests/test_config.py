@@ -76,6 +76,21 @@ def test_hydra_override_type_checked():
             compose(config_name="config", overrides=["engine.max_seq_len=lots"])
 
 
+def test_slurm_launcher_config_composes():
+    """`hydra/launcher=slurm` (conf/hydra/launcher/slurm.yaml) resolves to the submitit launcher
+    of the `slurm` extra, with our defaults and overrides applied."""
+    from hydra.utils import get_class
+
+    register()
+    with initialize_config_dir(config_dir=CONF, version_base=None):
+        cfg = compose(config_name="config", return_hydra_config=True,
+                      overrides=["hydra/launcher=slurm", "hydra.launcher.nodes=2", "distributed=true"])
+    launcher = cfg.hydra.launcher
+    assert get_class(launcher._target_).__name__ == "SlurmLauncher"
+    assert (launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node) == (2, 1, 8)
+    assert cfg.distributed is True
+
+
 def test_public_api_names():
     for name in ("load_hf", "load_tiny", "forward", "Engine", "EngineConfig", "SamplingParams", "Model"):
         assert hasattr(gj, name)
