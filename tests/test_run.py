@@ -30,3 +30,18 @@ def test_fullstack_job_prints_the_table(tmp_path):
     assert "EMULATED hardware a100_80g" in out and res["emulated"]["hardware"] == "a100_80g"
     assert res["emulated"]["tier_device_fraction"] == pytest.approx(0.225, abs=0.01)
     assert os.listdir(tmp_path / "wandb")
+
+
+def test_distributed_entry_with_mesh_over_tiers(tmp_path):
+    """`distributed=true` on one process (no coordinator in the environment) runs single-process;
+    the job then decodes on a 2-device mesh over a disk tier with one zarr array per shard."""
+    cmd = [sys.executable, os.path.join(ROOT, "experiments", "run.py"), "experiment=generate", "distributed=true",
+           "tier=disk", f"engine.tier.disk_path={tmp_path / 'kv'}", "engine.mesh={data: 1, model: 2}",
+           f"hydra.run.dir={tmp_path / 'run'}", f"wandb.dir={tmp_path / 'wandb'}"]
+    env = {**sandbox_env(tmp_path), "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "jax.distributed: single process (no coordinator in env); 1 process(es), 2 device(s)" in proc.stdout
+    assert sorted(os.listdir(tmp_path / "kv")) == ["shard0of2", "shard1of2"]
+    res = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert res["stats"]["decode_steps"] > 0
