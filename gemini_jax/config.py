@@ -274,6 +274,11 @@ class TierConfig:
     selection only). Costs one extra projection and scoring per layer; never changes numbers.
     `staging_pages`: size of the prefetch staging buffer; `io_workers`: threads issuing reads.
 
+    `fused_decode`: run a sparse decode step as one device program (the layer loop on device,
+    the host called back only for pages not in their slots; `gemini_jax.tiers.fused`) when the
+    step allows it (no dense layers, no mesh, one layer's selection fits the slots); False runs
+    every step layer by layer from the host. Never changes numbers.
+
     Hot zone: the first `pin_sink_pages` and last `pin_local_pages` pages of every sequence are
     pinned on device; a page selected in at least `hot_threshold` of the last `hot_window` decode
     steps (per layer) is pinned too (`hot_threshold` 0 = off).
@@ -297,6 +302,7 @@ class TierConfig:
     pin_local_pages: int = 2
     hot_threshold: int = 0
     hot_window: int = 32
+    fused_decode: bool = True
 
     def __post_init__(self):
         dp, df = self.device_pages, self.device_fraction
@@ -317,6 +323,7 @@ class TierConfig:
                  f"tier.disk_layout={self.disk_layout!r} must be one of {DISK_LAYOUTS}.")
         _require(self.on_corrupt in ON_CORRUPT,
                  f"tier.on_corrupt={self.on_corrupt!r} must be one of {ON_CORRUPT}.")
+        _require(isinstance(self.fused_decode, bool), f"tier.fused_decode={self.fused_decode!r} must be true or false.")
         for name in ("shard_pages", "staging_pages", "io_workers", "hot_window"):
             v = getattr(self, name)
             _require(_is_int(v) and v >= 1, f"tier.{name}={v!r} must be an integer >= 1.")

@@ -51,7 +51,10 @@ def test_budgets_and_prefetch_depths_keep_the_numbers(case):
             for a, b in zip(out.logits, ref.logits):
                 # The layer-by-layer program rounds differently from the scanned one (f32 ulps).
                 np.testing.assert_allclose(a, b, atol=1e-5, rtol=0, err_msg=where)
-            fetched[frac, depth] = out.stats
+            fetched[frac, depth] = {**out.stats, "fused": eng.tier_stats()["fused_decode_steps"]}
+    # Sparse decode steps run as one device program where one layer's selection fits the slots.
+    if sparse:
+        assert fetched[1.0, 0]["fused"] > 0
     # The small budgets really evict and fetch; the full one never does; prefetch turns misses into hits.
     assert fetched[1.0, 0]["pages_fetched_host"] == 0
     assert fetched[0.1, 0]["pages_fetched_host"] > 0
@@ -214,3 +217,58 @@ def test_compact_positions_over_tiers_match_all_resident():
     for a, b in zip(out.logits, ref.logits):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
     assert out.stats["pages_fetched_host"] > 0
+
+
+def _fused_base(**sparse):
+    sp = SparseConfig(enabled=True, budget=64, sink_pages=1, local_pages=1, **sparse)
+    return dict(max_seq_len=512, max_batch=1, prefill_chunk=32, cache=CacheConfig(block_size=8), sparse=sp)
+
+
+@pytest.mark.parametrize("family, positions", [("gemma2", "true"), ("llama", "compact")])
+def test_fused_decode_steps_bring_missing_pages_exactly(family, positions):
+    """Decode steps as one device program (tier.fused_decode): pages missing from the slots are
+    brought in by the program's host callback, and the numbers are the all-resident ones — and
+    the layer-by-layer path's — for prefetch depths 0 and 2 (gemma2: sliding windows, soft caps)."""
+    cfg = tiny_config(family)
+    model = random_model(cfg, 21)
+    rng = np.random.default_rng()
+    prompts = random_prompts(rng, cfg.vocab_size, [int(rng.integers(330, 420))])
+    base = _fused_base(positions=positions)
+    ref = gj.Engine(model, EngineConfig(**base)).generate(prompts, GREEDY, return_logits=True)
+    for depth in (0, 2):
+        for fused in (True, False):
+            tier = TierConfig(enabled=True, device_pages=24, prefetch_depth=depth, hot_threshold=0, fused_decode=fused)
+            with gj.Engine(model, EngineConfig(**base, tier=tier)) as eng:
+                out = eng.generate(prompts, GREEDY, return_logits=True)
+                ts = eng.tier_stats()
+            where = f"depth={depth}, fused={fused}"
+            assert out.tokens == ref.tokens, where
+            np.testing.assert_allclose(out.logits[0], ref.logits[0], atol=1e-5, rtol=0, err_msg=where)
+            # Every decode step ran as one program (one layer's selection fits the 24 slots).
+            assert ts["fused_decode_steps"] == (out.stats["decode_steps"] if fused else 0), where
+            assert out.stats["pages_fetched_host"] > 0 and ts["device_evictions"] > 0, where
+
+
+def test_fused_decode_raises_integrity_error_for_a_corrupt_page(tmp_path):
+    """A corrupt disk page read by a fused step's host callback surfaces as IntegrityError
+    (typed, naming the page), not as a runtime error of the device program."""
+    cfg = tiny_config("llama")
+    model = random_model(cfg, 8)
+    prompt = random_prompts(np.random.default_rng(), cfg.vocab_size, [400])[0]
+    tier = TierConfig(enabled=True, device_pages=24, host_pages=4, disk_path=str(tmp_path / "kv"), prefetch_depth=0,
+                      hot_threshold=0)
+    with gj.Engine(model, EngineConfig(**_fused_base(), tier=tier)) as eng:
+        sess = eng.start(prompt, SamplingParams(max_new_tokens=40, temperature=0.0, stop_at_eos=False))
+        for _ in range(3):
+            next(sess)
+        assert eng.tier_stats()["fused_decode_steps"] > 0
+        eng.tiered.stack.flush()
+        for p in pathlib.Path(tmp_path / "kv").rglob("*"):
+            if p.is_file() and p.stat().st_size > 1000:
+                data = bytearray(p.read_bytes())
+                mid = len(data) // 2
+                data[mid:mid + 8] = bytes(b ^ 0xFF for b in data[mid:mid + 8])
+                p.write_bytes(bytes(data))
+        with pytest.raises(IntegrityError, match="layer"):
+            for _ in range(37):
+                next(sess)

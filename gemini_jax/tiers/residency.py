@@ -54,6 +54,7 @@ class DeviceSlots:
         self._lru: list[OrderedDict[int, int]] = [OrderedDict() for _ in range(num_layers)]  # page -> slot
         self._pins: dict[str, frozenset[PageKey]] = {}
         self._pinned: set[PageKey] = set()
+        self._pinned_per_layer = [0] * num_layers
         self.hits = self.misses = self.evictions = 0
 
     # ---- queries ------------------------------------------------------------------------------
@@ -80,6 +81,13 @@ class DeviceSlots:
         any set names it; a pinned key not yet resident is protected once admitted."""
         self._pins[name] = frozenset((int(l), int(p)) for l, p in keys)
         self._pinned = set().union(*self._pins.values())
+        self._pinned_per_layer = [0] * self.num_layers
+        for layer, _ in self._pinned:
+            self._pinned_per_layer[layer] += 1
+
+    def pinned_count(self, layer: int) -> int:
+        """Keys of `layer` pinned, resident or not (an upper bound of `pinned_resident`, O(1))."""
+        return self._pinned_per_layer[layer]
 
     def pinned_resident(self, layer: int) -> int:
         return sum(1 for p in self._lru[layer] if (layer, p) in self._pinned)

@@ -45,6 +45,7 @@ from gemini_jax.engine import _call_width, _PrefillRunner
 from gemini_jax.errors import CacheExhausted
 from gemini_jax.model import layers as L
 from gemini_jax.tiers.errors import TierError
+from gemini_jax.tiers.fused import FusedDecode
 from gemini_jax.tiers.page import PageSpec
 from gemini_jax.tiers.prefetch import Predictor, Prefetcher
 from gemini_jax.tiers.residency import DeviceSlots, HotZone
@@ -197,6 +198,7 @@ class TieredKV:
         self.predictor = Predictor(tc, L, block_size=S)
         self.hot = HotZone(tc, L)
         self.below: set = set()
+        self.fused_steps = 0  # decode steps run as one device program (tiers.fused)
         self.np_dtype = self.spec.np_dtype
         # Research hook: set to a list to record every sparse selection ({"layer", "decode",
         # "positions", "selected": logical ids [B, K, k]}); None records nothing.
@@ -339,7 +341,7 @@ class TieredKV:
         out = {"device_slots_per_layer": self.n_slots, "device_hits": self.slots.hits,
                "device_misses": self.slots.misses, "device_evictions": self.slots.evictions,
                "kv_bytes_device": int(self.k.nbytes + self.v.nbytes), "kv_bytes_per_device": int(per_device),
-               "kv_bytes_host": held["host"],
+               "kv_bytes_host": held["host"], "fused_decode_steps": self.fused_steps,
                **self.stack.stats(), **{k: v for k, v in self.prefetcher.stats.items()}}
         if held["disk"] is not None:
             out["kv_bytes_disk"] = held["disk"]
@@ -365,6 +367,7 @@ class TieredRunner(_PrefillRunner):
         self.ids = [next(eng._seq_ids) for _ in range(B)]
         self.window = eng.model_cfg.max_window
         self.inv_freq = jnp.asarray(L.inv_frequencies(eng.model_cfg.rope, eng.model_cfg.head_dim))
+        self.fused = FusedDecode(self)
 
     # ---- the engine's runner interface (prefill / prefill_more: _PrefillRunner) ---------------
     def _prefill_from(self, sid, toks, start):
@@ -450,6 +453,10 @@ class TieredRunner(_PrefillRunner):
         continued = sorted({int(bt[b, w[0]]) for b, (w, s) in enumerate(zip(written, starts)) if int(s) % S})
         fresh = sorted({int(bt[b, p]) for b in range(B) for p in written[b]} - set(continued))
         fill_pages_ids = sorted({int(bt[b, p]) for b in range(B) for p in filled[b]})
+        if decode and self.fused.usable(B):
+            t.fused_steps += 1
+            return self._call_fused(bt, bt_d, tokens_d, pos_d, positions, ends, ends_d, continued, fresh,
+                                    fill_pages_ids, before)
         h = _embed(e.graphdef, e.params, tokens_d)
         depth = t.tc.prefetch_depth
         ahead_on = decode and sp.enabled and depth > 0 and t.tc.lookahead > 0
@@ -513,6 +520,48 @@ class TieredRunner(_PrefillRunner):
         if decode:
             hot = t.hot.end_step()
             t.slots.set_pins("hot", hot)
+        for key in ("prefetch_hits", "prefetch_misses", "pages_fetched_host", "pages_fetched_disk"):
+            self.stats[key] += t.prefetcher.stats[key] - before[key]
+        self.stats["stall_seconds"] += t.prefetcher.stats["stall_seconds"] - before["stall_seconds"]
+        return logits, reads
+
+    def _call_fused(self, bt, bt_d, tokens_d, pos_d, positions, ends, ends_d, continued, fresh, fill_pages_ids,
+                    before):
+        """A sparse decode step as one device program (`gemini_jax.tiers.fused`); the host's
+        bookkeeping for the step runs after it."""
+        e, t = self.eng, self.t
+        cfg, sp = e.model_cfg, e.config.sparse
+        S, L = t.S, cfg.num_layers
+        B = bt.shape[0]
+        for layer in range(L):  # the pages this step writes: resident before the program runs
+            t.admit(layer, continued + fresh, fetch=set(continued))
+        logits, sels = self.fused(tokens_d, pos_d, bt, bt_d, ends, ends_d)
+        reads = 0
+        for layer in range(L):
+            selected = sels[layer]
+            if t.selection_log is not None:
+                t.selection_log.append({"layer": layer, "decode": True, "selected": selected,
+                                        "positions": np.array(positions)})
+            reads += int(np.sum(selected >= 0))
+            keys = {int(bt[b, p]) for b in range(B) for p in np.unique(selected[b]) if p >= 0} - {0}
+            for p in keys:  # the program read them: they are the layer's most recently used
+                t.slots.touch((layer, p))
+            t.hot.record((layer, p) for p in keys)
+            if t.tc.prefetch_depth > 0:  # history feeds only the prefetcher
+                t.predictor.observe(layer, bt, selected, ends)
+            t.put_below(layer, fill_pages_ids)
+            t.prefetcher.release_layer(layer)
+        depth = t.tc.prefetch_depth
+        if depth > 0 and t.tc.lookahead > 0 and int(np.max(ends)) < bt.shape[1] * S:
+            # The next step's layer 0 has no earlier layer to guess from: use this step's argmax token.
+            sp_ahead = dataclasses.replace(sp, budget=sp.budget * t.tc.lookahead)
+            nxt = _lookahead_next(e.graphdef, e.params, logits, pos_d + 1, t.digests, bt_d, t.windows[0],
+                                  sp=sp_ahead, block_size=S)
+            t.predictor.speculate(0, bt, np.asarray(nxt), np.asarray(ends) + 1)
+        for layer in range(L):  # the next step's guesses (layer 0's lookahead first)
+            t.prefetcher.schedule(key for key in t.predictor.predict(layer)
+                                  if key in t.below and t.page_to_slot[key] == 0)
+        t.slots.set_pins("hot", t.hot.end_step())
         for key in ("prefetch_hits", "prefetch_misses", "pages_fetched_host", "pages_fetched_disk"):
             self.stats[key] += t.prefetcher.stats[key] - before[key]
         self.stats["stall_seconds"] += t.prefetcher.stats["stall_seconds"] - before["stall_seconds"]

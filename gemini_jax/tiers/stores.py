@@ -24,12 +24,15 @@ Page = tuple[np.ndarray, np.ndarray]  # k, v: [kv_heads, block_size, head_dim]
 
 
 # ---- host RAM -----------------------------------------------------------------------------------
+_HOST_BLOCK = 256  # pages per block of the host pool
+
+
 class HostStore:
     """A bounded pool of pages in host RAM with least-recently-used eviction.
 
-    `capacity` pages (None = unbounded; the pool grows by doubling). A page is *dirty* when the
-    tier below does not hold its current content. When the pool is full, `put` evicts the least
-    recently used page: a clean one is dropped, a dirty one is handed to `spill(key, data)`
+    `capacity` pages (None = unbounded; the pool grows by blocks of pages, never copied). A page
+    is *dirty* when the tier below does not hold its current content. When the pool is full,
+    `put` evicts the least recently used page: a clean one is dropped, a dirty one is handed to `spill(key, data)`
     first (it must store it below or raise; the page is dropped only if `spill` returns). With
     no `spill`, a full pool of dirty pages raises `CacheExhausted`. Thread-safe.
     """
@@ -41,8 +44,11 @@ class HostStore:
         self.spec = spec
         self.capacity = capacity
         self.spill = spill
-        self._pool = np.empty((min(capacity or 64, 64), 2, *spec.page_shape), spec.np_dtype)
-        self._free = list(range(len(self._pool) - 1, -1, -1))
+        # Blocks of pages that are never copied when the pool grows (a doubling copy of a pool of
+        # gigabytes would stall the step that triggers it). Slot s lives at block s // n, row s % n.
+        self._block = min(capacity or _HOST_BLOCK, _HOST_BLOCK)
+        self._blocks = [np.empty((self._block, 2, *spec.page_shape), spec.np_dtype)]
+        self._free = list(range(self._block - 1, -1, -1))
         self._slot: OrderedDict[PageKey, int] = OrderedDict()  # LRU order: oldest first
         self._dirty: set[PageKey] = set()
         self._lock = threading.RLock()
@@ -76,7 +82,7 @@ class HostStore:
                 slot = self._take_slot()
                 self._slot[key] = slot
             self._slot.move_to_end(key)
-            self._pool[slot] = data
+            self._row(slot)[...] = data
             if dirty:
                 self._dirty.add(key)
             else:
@@ -92,7 +98,7 @@ class HostStore:
                 return None
             self._slot.move_to_end(key)
             self.hits += 1
-            data = self._pool[slot].copy()
+            data = self._row(slot).copy()
         return data[0], data[1]
 
     def discard(self, key: PageKey) -> bool:
@@ -106,14 +112,17 @@ class HostStore:
             self._free.append(slot)
             return True
 
+    def _row(self, slot: int) -> np.ndarray:
+        return self._blocks[slot // self._block][slot % self._block]
+
     def _take_slot(self) -> int:
         if self._free:
             return self._free.pop()
-        n = len(self._pool)
+        n = len(self._blocks) * self._block
         if self.capacity is None or n < self.capacity:
-            grow = n if self.capacity is None else min(n, self.capacity - n)
-            self._pool = np.concatenate([self._pool, np.empty((grow, *self._pool.shape[1:]), self._pool.dtype)])
-            self._free.extend(range(n + grow - 1, n, -1))
+            self._blocks.append(np.empty_like(self._blocks[0]))
+            top = n + self._block if self.capacity is None else min(n + self._block, self.capacity)
+            self._free.extend(range(top - 1, n, -1))
             return n
         return self._evict()
 
@@ -125,7 +134,7 @@ class HostStore:
                 raise CacheExhausted(
                     f"the host tier is full ({self.capacity} pages) and page (layer={victim[0]}, "
                     f"page={victim[1]}) exists nowhere below it; raise tier.host_pages or set tier.disk_path.")
-            self.spill(victim, self._pool[slot].copy())  # raises -> nothing is dropped
+            self.spill(victim, self._row(slot).copy())  # raises -> nothing is dropped
             self.spills += 1
             self._dirty.discard(victim)
         del self._slot[victim]

@@ -1,0 +1,215 @@
+"""A sparse decode step over tiers as one device program: the layer loop stays on device and the
+host is called back only for the pages a layer selects that are not in its device slots.
+
+Per layer l, inside one jitted call (all layers unrolled):
+
+    q, k, v   = layer l's first half; the new K/V into their slots; digests refreshed
+    selected  = top-k pages from the digests (exactly the all-resident selection)
+    missing   = selected pages whose `page_to_slot` entry is 0 (not on device)
+    while any missing: host callback -> admit up to FETCH_BATCH of them into slots (LRU
+        eviction, the layer's selection protected), read them through the prefetcher (staged ->
+        hit, else a timed miss), and hand back (slots, pages, evicted pages, k, v); the program
+        writes them into the slots and updates its copy of `page_to_slot`
+    attention over the selected slots; layer l's second half
+    (prefetch depth > 0) a callback hands the lookahead of layer l+depth (scored from layer l's
+        input) to the prefetcher, which reads those pages in its threads while the device goes on
+
+The host's bookkeeping for the step (LRU use of the selected pages, hot zone, the predictor's
+history, full pages going down the tiers) runs once, after the program returns.
+
+Exactness: the program does the layer path's math in the same order on the same pages, so its
+logits are the all-resident ones up to rounding. It runs when the whole step fits: no dense
+layer, one sequence's selection per layer fits the free slots, and no mesh (a mesh runs layer
+by layer); `TieredRunner` falls back to the layer-by-layer path otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.experimental import io_callback
+
+from gemini_jax.attention import digests as D
+from gemini_jax.attention.select import compact_shift, select_step
+from gemini_jax.attention.sparse import sparse_attention
+from gemini_jax.cache.paged import write_pages
+from gemini_jax.tiers.errors import TierError
+
+
+# Pages one callback hands back. Small: a round trip without misses costs nothing, and the
+# buffers (k and v of FETCH_BATCH pages) are copied on every trip that has some.
+FETCH_BATCH = 16
+
+
+def _program(graphdef, host, *, L, windows, sp, sp_ahead, depth, kind, block_size, M, K, S, D_,
+             dtype, n_slots, num_pages, scale, cap):
+    """The jitted step for one static setting (built once per `FusedDecode` and batch shape)."""
+
+    def run(k_slots, v_slots, digests, params, tokens, positions, bt, ends, p2s, inv_freq):
+        model = nnx.merge(graphdef, params)
+        h = model.embed_tokens(tokens)
+        sels = []
+        fetch_shapes = (jax.ShapeDtypeStruct((), jnp.bool_), jax.ShapeDtypeStruct((M,), jnp.int32), jax.ShapeDtypeStruct((M,), jnp.int32),
+                        jax.ShapeDtypeStruct((M,), jnp.int32), jax.ShapeDtypeStruct((M, K, S, D_), dtype),
+                        jax.ShapeDtypeStruct((M, K, S, D_), dtype))
+
+        for layer in range(L):
+            if sp_ahead is not None:
+                # Layer l+depth's pages guessed from this layer's input (layer 0: layers 1..depth).
+                for j in (range(1, depth + 1) if layer == 0 else (layer + depth,)):
+                    if j < L:
+                        q_j, _, _ = model.layer_qkv(j, h, positions)
+                        guess = select_step(sp_ahead, digests[j], q_j, positions, bt, block_size=block_size,
+                                            window=windows[j])
+                        io_callback(functools.partial(host.speculate, j), None, guess, ordered=False)
+            slot_table = p2s[layer][bt]
+            q, k, v = model.layer_qkv(layer, h, positions)
+            k_slots, v_slots = write_pages(k_slots, v_slots, layer, k, v, positions, slot_table, ends)
+            digests = D.update(kind, digests, k_slots, layer, positions, slot_table, ends, digest_tables=bt)
+            sel = select_step(sp, digests[layer], q, positions, bt, block_size=block_size, window=windows[layer])
+            phys = jnp.where(sel >= 0, jnp.take_along_axis(bt[:, None, :], jnp.maximum(sel, 0), axis=2), 0)
+
+            def missing(p2s, phys=phys, layer=layer):
+                return (phys != 0) & (p2s[layer][phys] == 0)
+
+            def bring(carry, phys=phys, layer=layer, missing=missing):
+                # Up to M missing pages per round trip; a step without misses never enters.
+                k_slots, v_slots, p2s, _ = carry
+                ok, slots, pages, evicted, kd, vd = io_callback(
+                    functools.partial(host.serve, layer), fetch_shapes, phys, missing(p2s), ordered=False)
+                # Padding: slot n_slots + 1 and page num_pages are out of range, so dropped.
+                k_slots = k_slots.at[layer, :, slots].set(kd, mode="drop")  # [M, K, S, D] (numpy indexing)
+                v_slots = v_slots.at[layer, :, slots].set(vd, mode="drop")
+                p2s = p2s.at[layer, evicted].set(0, mode="drop").at[layer, pages].set(slots, mode="drop")
+                return k_slots, v_slots, p2s, ok
+
+            # The host stops the loop (ok = False) on an error, which the step raises afterwards.
+            # The loop sits behind a cond: an idle while loop still costs a pass over its carry.
+            def bring_all(k_slots, v_slots, p2s, missing=missing, bring=bring):
+                return jax.lax.while_loop(lambda c: c[3] & jnp.any(missing(c[2])), bring,
+                                          (k_slots, v_slots, p2s, jnp.bool_(True)))[:3]
+
+            k_slots, v_slots, p2s = jax.lax.cond(jnp.any(missing(p2s)), bring_all, lambda *c: c,
+                                                 k_slots, v_slots, p2s)
+            shift = compact_shift(sel, block_size) if sp.positions == "compact" else None
+            out = sparse_attention(q, positions, k_slots[layer], v_slots[layer], p2s[layer][bt], ends, sel,
+                                   scale=scale, cap=cap, window=windows[layer], page_shift=shift,
+                                   inv_freq=None if shift is None else inv_freq)
+            h = model.layer_finish(layer, h, out.astype(q.dtype))
+            sels.append(sel)
+        logits = model.logits(h)[:, -1]
+        return logits, k_slots, v_slots, digests, jnp.stack(sels)
+
+    return jax.jit(run, donate_argnums=(0, 1, 2))
+
+
+class FusedDecode:
+    """Host side of the one-program decode step of a `TieredRunner`: builds the program, serves
+    its callbacks, and does the step's bookkeeping afterwards."""
+
+    def __init__(self, runner):
+        self.r = runner
+        self.t = runner.t
+        self._programs: dict = {}
+        self._error: Exception | None = None
+        self.batch = FETCH_BATCH
+
+    def usable(self, B: int) -> bool:
+        """Whether a step of B sequences runs as one program (else: layer by layer)."""
+        e, t = self.r.eng, self.t
+        sp = e.config.sparse
+        if not (sp.enabled and sp.dense_layers == 0 and t.mesh is None and t.tc.fused_decode):
+            return False
+        # One layer's selection (every kv head may pick different pages) plus the pinned pages
+        # must fit its slots at once.
+        pins = max(t.slots.pinned_count(layer) for layer in range(e.model_cfg.num_layers))
+        return B * e.model_cfg.num_kv_heads * (sp.budget // t.S) + pins <= t.slots.capacity
+
+    # ---- callbacks (run on the host while the program waits) ---------------------------------
+    def serve(self, layer: int, phys, missing):
+        """Admit and read the missing pages of `layer`; padded to the program's static size."""
+        t = self.t
+        M = self.batch
+        # Callbacks may receive jax arrays: index them as numpy (a jax boolean index is an eager
+        # op with a data-dependent shape, compiled anew on every call).
+        phys, missing = np.asarray(phys), np.asarray(missing)
+        K, S, D_ = t.cfg.num_kv_heads, t.S, t.cfg.head_dim
+        slots = np.full(M, t.n_slots + 1, np.int32)
+        pages = np.full(M, t.num_pages, np.int32)
+        evicted = np.full(M, t.num_pages, np.int32)
+        ks = np.zeros((M, K, S, D_), t.np_dtype)
+        vs = np.zeros((M, K, S, D_), t.np_dtype)
+        if self._error is not None:
+            return np.bool_(False), slots, pages, evicted, ks, vs
+        try:
+            protect = frozenset((layer, int(p)) for p in np.unique(phys) if p != 0)
+            for i, p in enumerate(np.unique(phys[missing])[:M]):
+                key = (layer, int(p))
+                if key not in t.below:
+                    raise TierError(f"page (layer={layer}, page={int(p)}) is needed on device but no tier holds "
+                                    f"its current content.")
+                page = t.prefetcher.get(key)
+                if page is None:
+                    raise TierError(f"page (layer={layer}, page={int(p)}) failed verification and recomputing "
+                                    f"pages is not supported by the engine; set tier.on_corrupt='raise'.")
+                a = t.slots.admit(key, protect=protect)
+                if a.evicted is not None:
+                    t.page_to_slot[a.evicted] = 0
+                    evicted[i] = a.evicted[1]
+                t.page_to_slot[key] = a.slot
+                slots[i], pages[i] = a.slot, int(p)
+                ks[i], vs[i] = page.k, page.v
+            if not (pages < t.num_pages).any():
+                raise TierError(f"layer {layer}: the device program reported missing pages but none could be "
+                                f"brought in (internal residency mismatch).")
+        except Exception as err:  # raised by the step once the program returns (typed, not wrapped)
+            self._error = err
+            return np.bool_(False), slots, pages, evicted, ks, vs
+        return np.bool_(True), slots, pages, evicted, ks, vs
+
+    def speculate(self, layer: int, guess) -> None:
+        """A lookahead guess for `layer` of this step: start fetching its pages now."""
+        t, r = self.t, self.r
+        if self._error is not None:
+            return
+        try:
+            t.predictor.speculate(layer, r._bt, np.asarray(guess), r._ends)
+            t.prefetcher.schedule(key for key in t.predictor.lookahead_keys(layer)
+                                  if key in t.below and t.page_to_slot[key] == 0)
+        except Exception as err:
+            self._error = err
+
+    # ---- the step ----------------------------------------------------------------------------
+    def program(self, B: int, W: int):
+        e, t = self.r.eng, self.t
+        cfg, sp = e.model_cfg, e.config.sparse
+        depth = t.tc.prefetch_depth
+        ahead = depth > 0 and t.tc.lookahead > 0
+        key = (B, W)
+        if key not in self._programs:
+            self._programs[key] = _program(
+                e.graphdef, self, L=cfg.num_layers, windows=tuple(int(w) for w in cfg.layer_windows), sp=sp,
+                sp_ahead=dataclasses.replace(sp, budget=sp.budget * t.tc.lookahead) if ahead else None,
+                depth=depth, kind=sp.digest, block_size=t.S, M=self.batch,
+                K=cfg.num_kv_heads, S=t.S, D_=cfg.head_dim, dtype=jnp.dtype(t.dtype), n_slots=t.n_slots,
+                num_pages=t.num_pages, scale=cfg.scale, cap=cfg.attn_softcap)
+        return self._programs[key]
+
+    def __call__(self, tokens_d, pos_d, bt, bt_d, ends, ends_d):
+        """Run the step; returns (logits, selections i32[L, B, K, k] as numpy)."""
+        t, r = self.t, self.r
+        self._error = None
+        r._bt, r._ends = bt, ends
+        run = self.program(*bt.shape)
+        logits, t.k, t.v, t.digests, sels = run(t.k, t.v, t.digests, r.eng.params, tokens_d, pos_d, bt_d, ends_d,
+                                                jnp.array(t.page_to_slot, copy=True), r.inv_freq)
+        sels = np.asarray(sels)  # waits for the program (and so for every callback)
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+        return logits, sels
