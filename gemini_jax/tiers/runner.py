@@ -17,6 +17,10 @@ One call (a prefill chunk or a decode step), for every layer l (DESIGN.md §7):
         from the embedding of this step's argmax token
     h         = layer l's second half                                  (device)
 
+A sparse decode step that fits (see `gemini_jax.tiers.fused`) runs instead as one device
+program whose host callbacks bring only the missing pages; the layer loop above stays the path
+for prefill, dense layers, meshes and selections larger than the slots.
+
 Exactness: a page's bytes are the same in a slot, in host RAM and on disk, and digests live on
 device for every page, so selection is the all-resident selection. Attention over one group is
 the all-resident sparse attention over the same pages; over several groups (a dense layer

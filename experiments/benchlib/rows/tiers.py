@@ -89,8 +89,10 @@ class _Variant:
     "tiers — device slots for 50 / 25 / 10 % of the pages, the rest in host RAM, layer-by-layer decode "
     "with the predictive prefetcher at depth 0 / 1 / 2 / 4 — against the all-resident sparse engine "
     "(every page in the device pool, one scanned call per step). A third reference is the tiered engine "
-    "with 100 % of the pages on device: it pays the layer-by-layer execution but never moves a page, so "
-    "the row separates the price of running layer by layer from the price of moving pages. Every "
+    "with 100 % of the pages on device: it pays the tiered step's machinery but never moves a page, so "
+    "the row separates that price from the price of moving pages. Tiered decode steps run as one device "
+    "program with host callbacks for missing pages (`tier.fused_decode`); the layer-by-layer variants "
+    "run the same cells with two jitted calls and a host sync per layer. Every "
     "variant holds the same prompt, prefilled for real through its own engine; each repeat runs every "
     "variant for a few consecutive greedy steps, interleaved, order rotated; headline = median over "
     "repeats of all-resident / tiered step time (goal ≥ 0.9× at 25 % with depth ≥ 2), prefetch hit rate "
@@ -107,7 +109,9 @@ def tiers(ctx: Context) -> RowResult:
         disk = measure_disk(disk_dir)
     finally:
         shutil.rmtree(disk_dir, True)
-    variants = {"all-resident": None, "tiered 100%": TierConfig(enabled=True, device_fraction=1.0, prefetch_depth=0)}
+    variants = {"all-resident": None, "tiered 100%": TierConfig(enabled=True, device_fraction=1.0, prefetch_depth=0),
+                "tiered 100%, layer by layer": TierConfig(enabled=True, device_fraction=1.0, prefetch_depth=0,
+                                                          fused_decode=False)}
     for b in s["budgets"]:
         for d in s["depths"]:
             variants[f"tiered {int(b * 100)}% depth {d}"] = TierConfig(
@@ -117,6 +121,10 @@ def tiers(ctx: Context) -> RowResult:
     for la in (1, 0):
         variants[f"tiered 25% depth 2, lookahead {la}"] = TierConfig(
             enabled=True, device_fraction=0.25, prefetch_depth=2, hot_threshold=0, lookahead=la)
+    # The same cells with every step run layer by layer from the host (tier.fused_decode=False).
+    for d in (0, 2):
+        variants[f"tiered 25% depth {d}, layer by layer"] = TierConfig(
+            enabled=True, device_fraction=0.25, prefetch_depth=d, hot_threshold=0, fused_decode=False)
     live = {}
     try:
         for name, tier in tqdm(variants.items(), desc="tiers: prefill variants"):
@@ -125,6 +133,7 @@ def tiers(ctx: Context) -> RowResult:
                 live[name].step()
         before = {n: dict(v.stats) for n, v in live.items()}
         steps0 = {n: len(v.tokens) for n, v in live.items()}
+        fused0 = {n: (v.eng.tiered.fused_steps if v.eng.tiered is not None else 0) for n, v in live.items()}
         times = interleaved({n: (lambda v=v: v.timed(s["steps"])) for n, v in live.items()}, s["repeats"],
                             desc=f"tiers @ {s['context']}")
         same = {n: v.tokens == live["all-resident"].tokens for n, v in live.items()}
@@ -153,6 +162,9 @@ def tiers(ctx: Context) -> RowResult:
                             for k, x in ratio_stats(times["tiered 100%"], times[name]).items()})
             if tier is not None:
                 rec["device_slots_per_layer"] = v.eng.tiered.n_slots
+                rec["fused_decode"] = tier.fused_decode
+                rec["fused_steps"] = v.eng.tiered.fused_steps - fused0[name]
+                rec["timed_steps"] = n
             records.append(rec)
     finally:
         for v in live.values():
@@ -172,13 +184,17 @@ def _markdown(records, s, disk, model_desc, page_bytes) -> str:
         if at_goal and r["hit_rate"] is not None:
             hit += " ✓" if r["hit_rate"] >= GOAL_HIT else " ✗"
         io = r["bytes_moved_per_token"] / (bw * 1e9) if bw else None
-        rows.append([r["variant"], r.get("device_slots_per_layer", "all"), fmt_ms(r["step_seconds_median"]),
+        if r["variant"] == "all-resident":
+            how = "one program (scan)"
+        else:
+            how = f"one program ({r['fused_steps']}/{r['timed_steps']})" if r["fused_steps"] else "layer by layer"
+        rows.append([r["variant"], r.get("device_slots_per_layer", "all"), how, fmt_ms(r["step_seconds_median"]),
                      "1" if r["variant"] == "all-resident" else f"{fmt_ratio(r, 'speed_vs_all_resident_')} {ok}",
                      "-" if r["variant"] == "all-resident" else fmt_ratio(r, "speed_vs_tiered100_"),
                      hit, f"{r['pages_fetched_per_token']:.1f}", fmt_bytes(r["bytes_moved_per_token"]),
                      "-" if io is None else fmt_ms(io), fmt_ms(r["stall_seconds_per_token"]),
                      "✓" if r["tokens_equal_all_resident"] else "✗"])
-    md = md_table(["variant", "device slots / layer", "step", "speed vs all-resident (goal ≥ 0.9× at 25%, depth ≥ 2)",
+    md = md_table(["variant", "device slots / layer", "decode step runs as", "step", "speed vs all-resident (goal ≥ 0.9× at 25%, depth ≥ 2)",
                    "speed vs tiered 100%", "prefetch hit rate", "pages fetched / token", "bytes moved / token",
                    "… at disk read bandwidth", "stall / token", "same tokens"], rows)
     md += (f"\n\n**Setup.** {model_desc}; context {s['context']} tokens, block {s['block_size']}, sparse budget "
@@ -191,5 +207,7 @@ def _markdown(records, s, disk, model_desc, page_bytes) -> str:
            f"`measure_disk`) — a projection, not a measurement. *speed vs X* = median over {s['repeats']} repeats "
            f"of (X step time / this step time), {s['steps']} greedy steps per repeat, all variants interleaved "
            f"(min–max in parentheses). *Same tokens*: the greedy tokens of the timed steps equal the "
-           f"all-resident engine's.")
+           f"all-resident engine's. *One program*: the decode step runs as one device program whose host "
+           f"callbacks bring missing pages (`tier.fused_decode`, default); *layer by layer*: two jitted calls and "
+           f"a host sync per layer.")
     return md
