@@ -54,6 +54,44 @@ def bpb_by_length(name) -> dict[int, float]:
     return {} if d is None else {r["context"]: r["bits_per_byte"] for r in d["rows"]}
 
 
+# Paired runs: the same trials (length, depth, key, haystack) for dense and each sparse budget.
+PAIRED = [("sparse 1K", "needle_paired_4k_sparse_1k"), ("sparse 2K", "needle_paired_4k_sparse_2k")]
+PAIRED_DENSE = "needle_paired_4k_dense"
+
+
+def paired_rows() -> list[str]:
+    """Markdown rows: per sparse budget, accuracy of both, the discordant trials and the paired
+    difference with a 95 % interval (normal approximation of the paired difference)."""
+    dense = _load(PAIRED_DENSE)
+    if dense is None:
+        return []
+    ref = {(r["length"], r["depth"], i): r for i, r in enumerate(dense["records"])}
+    rows = []
+    for col, name in PAIRED:
+        d = _load(name)
+        if d is None:
+            continue
+        pairs = []
+        for i, r in enumerate(d["records"]):
+            q = ref.get((r["length"], r["depth"], i))
+            if q is None or q["key"] != r["key"]:
+                raise SystemExit(f"{name} record {i} is not paired with {PAIRED_DENSE} (different trial or key).")
+            pairs.append((q["ok"], r["ok"]))
+        n = len(pairs)
+        b = sum(1 for x, y in pairs if y and not x)  # sparse right, dense wrong
+        c = sum(1 for x, y in pairs if x and not y)
+        diff = (b - c) / n
+        se = ((b + c) - (b - c) ** 2 / n) ** 0.5 / n
+        lo, hi = 100 * (diff - 1.96 * se), 100 * (diff + 1.96 * se)
+        within = "✓" if -GOAL_POINTS <= lo and hi <= GOAL_POINTS else ("✗" if hi < -GOAL_POINTS or lo > GOAL_POINTS
+                                                                        else "unresolved")
+        not_worse = "✓" if lo >= -GOAL_POINTS else ("✗" if hi < -GOAL_POINTS else "unresolved")
+        rows.append(f"| {dense['lengths'][0]} | {col} | {n} | {100 * sum(x for x, _ in pairs) / n:.0f}% | "
+                    f"{100 * sum(y for _, y in pairs) / n:.0f}% | {b} / {c} | {100 * diff:+.1f} [{lo:+.1f}, {hi:+.1f}] "
+                    f"| {within} | {not_worse} |")
+    return rows
+
+
 def main() -> int:
     needles = {col: needle_by_length(files) for col, files, _ in VARIANTS}
     bpbs = {col: bpb_by_length(f) for col, _, f in VARIANTS}
@@ -95,7 +133,19 @@ def main() -> int:
     bcols = [c for c in cols if bpbs[c]]
     lines += ["", "## Bits per byte", "", "| length | " + " | ".join(bcols) + " |", "|---" * (len(bcols) + 1) + "|"]
     lines += [f"| {L} | " + " | ".join(b_cell(c, L) for c in bcols) + " |" for L in lengths if any(L in bpbs[c] for c in bcols)]
+    paired = paired_rows()
+    if paired:
+        lines += ["", "## Paired needle trials at 4K", "",
+                  "The same 100 trials (10 depths × 10 keys) run through the dense and each sparse engine, so the "
+                  "difference is measured trial by trial. *Discordant*: trials only sparse got right / only dense "
+                  "got right. Interval: 95 %, normal approximation of the paired difference. *Within ±2*: ✓ when "
+                  "the interval lies inside ±2 points, ✗ when it lies outside, *unresolved* when it straddles a "
+                  "bound. *Not worse by > 2*: ✓ when the interval's lower end is ≥ −2 points.", "",
+                  "| length | variant | trials | dense | sparse | discordant (sparse / dense) | difference, points "
+                  "[95 %] | within ±2 | not worse by > 2 |",
+                  "|---|---|---|---|---|---|---|---|---|"] + paired
     src = [f"`{f}`" for _, fs, b in VARIANTS for f in fs + ([b] if b else []) if _load(f) is not None]
+    src += [f"`{f}`" for f in [PAIRED_DENSE] + [n for _, n in PAIRED] if _load(f) is not None]
     lines += ["", "Sources (experiments/results/*.json): " + ", ".join(src) + "."]
     path = os.path.join(RESULTS, "sparse_vs_dense.md")
     with open(path, "w") as fh:
