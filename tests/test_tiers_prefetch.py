@@ -164,3 +164,18 @@ def test_decode_loop_scenario_counts(stack):
     assert s["pages_fetched_host"] + s["pages_fetched_disk"] == s["prefetch_misses"] + s["prefetch_issued"]
     assert slots.hits == 2 * L * 2
     pre.close()
+
+
+def test_get_many_equals_get_page_by_page(stack):
+    """The batched read the prefetcher uses: host pages in one gather, disk pages verified one by
+    one, an unknown page reported as its error — the same bytes and tiers as `get`."""
+    rng = np.random.default_rng()
+    keys = [tuple(int(x) for x in k) for k in rng.permutation(list(stack.pages))[:24]] + [(0, 25)]
+    tiers = {k: stack.tier_of(k) for k in keys}
+    got = stack.get_many(keys)
+    assert isinstance(got[(0, 25)], Exception)
+    assert "disk" in {got[k].tier for k in keys[:-1]}  # 4 of the 60 pages are in host RAM
+    for key in keys[:-1]:
+        assert got[key].tier == tiers[key], key
+        assert got[key].k.tobytes() == stack.pages[key][0].tobytes(), key
+        assert got[key].v.tobytes() == stack.pages[key][1].tobytes(), key

@@ -143,6 +143,17 @@ class Prefetcher:
         return page
 
     def _read_batch(self, keys: list) -> dict:
+        many = getattr(self.source, "get_many", None)
+        if many is not None:  # one gather for the pages in host RAM
+            out = many(keys)
+            counts = {"host": 0, "disk": 0}
+            for page in out.values():
+                if isinstance(page, Fetched):
+                    counts[page.tier] += 1
+            with self._lock:
+                self.stats["pages_fetched_host"] += counts["host"]
+                self.stats["pages_fetched_disk"] += counts["disk"]
+            return out
         out = {}
         for key in keys:
             try:

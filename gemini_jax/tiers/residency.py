@@ -190,10 +190,14 @@ class HotZone:
 
     def record(self, keys: Iterable[PageKey]) -> None:
         """Keys selected during the current step (any layer); repeats within a step count once."""
+        if self.cfg.hot_threshold == 0:  # no hot zone: nothing to count
+            return
         self._current.update((int(l), int(p)) for l, p in keys)
 
     def end_step(self) -> set[PageKey]:
         """Close the step; return the hot keys (empty when hot_threshold is 0)."""
+        if self.cfg.hot_threshold == 0:
+            return set()
         step = frozenset(self._current)
         self._current = set()
         self._window.append(step)

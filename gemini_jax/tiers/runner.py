@@ -203,6 +203,7 @@ class TieredKV:
         self.hot = HotZone(tc, L)
         self.below: set = set()
         self.fused_steps = 0  # decode steps run as one device program (tiers.fused)
+        self.fused_program_seconds = 0.0  # time in those programs (their host callbacks included)
         self.np_dtype = self.spec.np_dtype
         # Research hook: set to a list to record every sparse selection ({"layer", "decode",
         # "positions", "selected": logical ids [B, K, k]}); None records nothing.
@@ -346,6 +347,7 @@ class TieredKV:
                "device_misses": self.slots.misses, "device_evictions": self.slots.evictions,
                "kv_bytes_device": int(self.k.nbytes + self.v.nbytes), "kv_bytes_per_device": int(per_device),
                "kv_bytes_host": held["host"], "fused_decode_steps": self.fused_steps,
+               "fused_program_seconds": self.fused_program_seconds,
                **self.stack.stats(), **{k: v for k, v in self.prefetcher.stats.items()}}
         if held["disk"] is not None:
             out["kv_bytes_disk"] = held["disk"]
@@ -539,7 +541,9 @@ class TieredRunner(_PrefillRunner):
         B = bt.shape[0]
         for layer in range(L):  # the pages this step writes: resident before the program runs
             t.admit(layer, continued + fresh, fetch=set(continued))
+        t0 = time.perf_counter()
         logits, sels = self.fused(tokens_d, pos_d, bt, bt_d, ends, ends_d)
+        t.fused_program_seconds += time.perf_counter() - t0
         reads = 0
         for layer in range(L):
             selected = sels[layer]
@@ -547,10 +551,11 @@ class TieredRunner(_PrefillRunner):
                 t.selection_log.append({"layer": layer, "decode": True, "selected": selected,
                                         "positions": np.array(positions)})
             reads += int(np.sum(selected >= 0))
-            keys = {int(bt[b, p]) for b in range(B) for p in np.unique(selected[b]) if p >= 0} - {0}
-            for p in keys:  # the program read them: they are the layer's most recently used
-                t.slots.touch((layer, p))
-            t.hot.record((layer, p) for p in keys)
+            phys = np.take_along_axis(bt[:, None, :], np.maximum(selected, 0), axis=2)[selected >= 0]
+            keys = [(layer, int(p)) for p in np.unique(phys) if p != 0]
+            for key in keys:  # the program read them: they are the layer's most recently used
+                t.slots.touch(key)
+            t.hot.record(keys)
             if t.tc.prefetch_depth > 0:  # history feeds only the prefetcher
                 t.predictor.observe(layer, bt, selected, ends)
             t.put_below(layer, fill_pages_ids)

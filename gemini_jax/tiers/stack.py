@@ -80,6 +80,10 @@ class TierStack:
         page = self.host.get(key)
         if page is not None:
             return Fetched(page[0], page[1], "host")
+        return self._from_disk(key)
+
+    def _from_disk(self, key: PageKey) -> Optional[Fetched]:
+        """A page not in host RAM, read from disk (verified) and promoted into host RAM."""
         if self.disk is None:
             raise PageMissing(f"page (layer={key[0]}, page={key[1]}) is in no tier below the device.")
         try:
@@ -94,6 +98,18 @@ class TierStack:
         except (TierError, CacheExhausted):
             pass  # no room above: serve it without promoting
         return Fetched(k, v, "disk")
+
+    def get_many(self, keys) -> dict:
+        """`get` of several keys: {key: Fetched, None (recompute), or the exception reading it
+        raised}. Pages in host RAM come in one gather; the others are read one by one."""
+        out: dict = {k: Fetched(kk, vv, "host") for k, (kk, vv) in self.host.get_many(keys).items()}
+        for key in keys:
+            if key not in out:
+                try:
+                    out[key] = self._from_disk(key)
+                except Exception as err:  # noqa: BLE001 - the caller raises it at use
+                    out[key] = err
+        return out
 
     def get_async(self, key: PageKey) -> "Future[Optional[Fetched]]":
         return self._readers.submit(self.get, key)

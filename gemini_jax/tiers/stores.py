@@ -101,6 +101,21 @@ class HostStore:
             data = self._row(slot).copy()
         return data[0], data[1]
 
+    def get_many(self, keys) -> dict:
+        """`get` of several keys under one lock and one gather: {key: (k, v)} for the keys held
+        (each a view into one fresh copy); keys not held are left out (and counted as misses)."""
+        with self._lock:
+            held = [(tuple(k), self._slot.get(tuple(k))) for k in keys]
+            held = [(k, s) for k, s in held if s is not None]
+            self.misses += len(keys) - len(held)
+            self.hits += len(held)
+            if not held:
+                return {}
+            for k, _ in held:
+                self._slot.move_to_end(k)
+            data = np.stack([self._row(s) for _, s in held])
+        return {k: (data[i, 0], data[i, 1]) for i, (k, _) in enumerate(held)}
+
     def discard(self, key: PageKey) -> bool:
         """Forget the page (it was freed). Returns whether it was held."""
         key = tuple(key)

@@ -134,6 +134,8 @@ def tiers(ctx: Context) -> RowResult:
         before = {n: dict(v.stats) for n, v in live.items()}
         steps0 = {n: len(v.tokens) for n, v in live.items()}
         fused0 = {n: (v.eng.tiered.fused_steps if v.eng.tiered is not None else 0) for n, v in live.items()}
+        prog0 = {n: (v.eng.tiered.fused_program_seconds if v.eng.tiered is not None else 0.0)
+                 for n, v in live.items()}
         times = interleaved({n: (lambda v=v: v.timed(s["steps"])) for n, v in live.items()}, s["repeats"],
                             desc=f"tiers @ {s['context']}")
         same = {n: v.tokens == live["all-resident"].tokens for n, v in live.items()}
@@ -165,6 +167,10 @@ def tiers(ctx: Context) -> RowResult:
                 rec["fused_decode"] = tier.fused_decode
                 rec["fused_steps"] = v.eng.tiered.fused_steps - fused0[name]
                 rec["timed_steps"] = n
+                # Share of the timed steps spent inside the one-program step (its callbacks included);
+                # the rest is the host's bookkeeping around it.
+                prog = v.eng.tiered.fused_program_seconds - prog0[name]
+                rec["program_share"] = prog / (sum(times[name]) * s["steps"]) if rec["fused_steps"] else None
             records.append(rec)
     finally:
         for v in live.values():
@@ -187,7 +193,8 @@ def _markdown(records, s, disk, model_desc, page_bytes) -> str:
         if r["variant"] == "all-resident":
             how = "one program (scan)"
         else:
-            how = f"one program ({r['fused_steps']}/{r['timed_steps']})" if r["fused_steps"] else "layer by layer"
+            how = (f"one program ({r['fused_steps']}/{r['timed_steps']}; {100 * r['program_share']:.0f}% of the "
+                   f"step in it)" if r["fused_steps"] else "layer by layer")
         rows.append([r["variant"], r.get("device_slots_per_layer", "all"), how, fmt_ms(r["step_seconds_median"]),
                      "1" if r["variant"] == "all-resident" else f"{fmt_ratio(r, 'speed_vs_all_resident_')} {ok}",
                      "-" if r["variant"] == "all-resident" else fmt_ratio(r, "speed_vs_tiered100_"),
