@@ -272,7 +272,9 @@ class TierConfig:
     so pages a step selects for the first time are fetched before they are needed. The guess
     is rough, so it fetches the top `lookahead` x budget pages (0 = off: the previous step's
     selection only). Costs one extra projection and scoring per layer; never changes numbers.
-    `staging_pages`: size of the prefetch staging buffer; `io_workers`: threads issuing reads.
+    `staging_pages`: size of the prefetch staging buffer (pages; with lookahead 3 at 16K context
+    a buffer of 512 dropped guesses before their layer ran: hit rate 66 % vs 90 % with 2048);
+    `io_workers`: threads issuing reads.
 
     `fused_decode`: run a sparse decode step as one device program (the layer loop on device,
     the host called back only for pages not in their slots; `gemini_jax.tiers.fused`) when the
@@ -296,7 +298,7 @@ class TierConfig:
     on_corrupt: str = "raise"
     prefetch_depth: int = 1
     lookahead: int = 3
-    staging_pages: int = 512
+    staging_pages: int = 2048
     io_workers: int = 4
     pin_sink_pages: int = 1
     pin_local_pages: int = 2

@@ -116,9 +116,9 @@ def tiers(ctx: Context) -> RowResult:
         for d in s["depths"]:
             variants[f"tiered {int(b * 100)}% depth {d}"] = TierConfig(
                 enabled=True, device_fraction=b, prefetch_depth=d, hot_threshold=0)
-    # What the lookahead buys: the goal cell guessing the top 1 x budget, and with the previous
-    # step's selection as the only guess (lookahead 0).
-    for la in (1, 0):
+    # What the lookahead buys: the goal cell guessing the top 5 x or 1 x budget, and with the
+    # previous step's selection as the only guess (lookahead 0).
+    for la in (5, 1, 0):
         variants[f"tiered 25% depth 2, lookahead {la}"] = TierConfig(
             enabled=True, device_fraction=0.25, prefetch_depth=2, hot_threshold=0, lookahead=la)
     # The same cells with every step run layer by layer from the host (tier.fused_decode=False).
