@@ -273,7 +273,7 @@ class TierConfig:
     is rough, so it fetches the top `lookahead` x budget pages (0 = off: the previous step's
     selection only). Costs one extra projection and scoring per layer; never changes numbers.
     `staging_pages`: size of the prefetch staging buffer (pages; with lookahead 3 at 16K context
-    a buffer of 512 dropped guesses before their layer ran: hit rate 66 % vs 90 % with 2048);
+    a buffer of 512 dropped guesses before their layer ran: bench hit rate 66 % vs 84 % with 2048);
     `io_workers`: threads issuing reads.
 
     `fused_decode`: run a sparse decode step as one device program (the layer loop on device,
