@@ -101,7 +101,7 @@ def main(argv=None) -> int:
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out + ".json", "w") as fh:
         json.dump(result, fh, indent=1)
-    lines = [f"# Prefetch hit rate over tiers, one engine at a time", "",
+    lines = ["# Prefetch hit rate over tiers, one engine at a time", "",
              f"`{result['command']}` — {result['model']}; context {a.context}, device {100 * a.device_fraction:.0f}% of "
              f"the pages, prefetch depth {a.depth}, sparse budget {a.budget} tokens (block 16), staging buffer "
              f"{a.staging} pages; decode only: {a.steps} greedy steps after {a.warmup} warm-up steps. Each engine "

@@ -23,7 +23,7 @@ from flax import nnx
 from gemini_jax.attention import digests
 from gemini_jax.cache import ContiguousKV, contiguous_backend
 from gemini_jax.cache.manager import KVCacheManager
-from gemini_jax.cache.paged import PagedKV, copy_pages, paged_backend
+from gemini_jax.cache.paged import PagedKV, paged_backend
 from gemini_jax.config import EngineConfig, SamplingParams
 from gemini_jax.errors import ConfigError, ContextLengthError
 from gemini_jax.model import Decoder, validate_tokens

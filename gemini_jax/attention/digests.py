@@ -11,7 +11,6 @@ so they are always exactly the digest of the page's current valid keys.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 ROWS = {"minmax": 2, "mean": 1}

@@ -54,9 +54,9 @@ def _program(graphdef, host, *, L, windows, sp, sp_ahead, depth, kind, block_siz
         model = nnx.merge(graphdef, params)
         h = model.embed_tokens(tokens)
         sels = []
-        fetch_shapes = (jax.ShapeDtypeStruct((), jnp.bool_), jax.ShapeDtypeStruct((M,), jnp.int32), jax.ShapeDtypeStruct((M,), jnp.int32),
-                        jax.ShapeDtypeStruct((M,), jnp.int32), jax.ShapeDtypeStruct((M, K, S, D_), dtype),
-                        jax.ShapeDtypeStruct((M, K, S, D_), dtype))
+        ids = jax.ShapeDtypeStruct((M,), jnp.int32)
+        page = jax.ShapeDtypeStruct((M, K, S, D_), dtype)
+        fetch_shapes = (jax.ShapeDtypeStruct((), jnp.bool_), ids, ids, ids, page, page)  # ok, slots, pages, evicted, k, v
 
         for layer in range(L):
             if sp_ahead is not None:
@@ -118,6 +118,7 @@ class FusedDecode:
         self._programs: dict = {}
         self._error: Exception | None = None
         self.batch = FETCH_BATCH
+        self._bt = self._ends = None  # the running step's block tables and lengths (for callbacks)
 
     def usable(self, B: int) -> bool:
         """Whether a step of B sequences runs as one program (else: layer by layer)."""
@@ -150,18 +151,11 @@ class FusedDecode:
             protect = frozenset((layer, int(p)) for p in np.unique(phys) if p != 0)
             for i, p in enumerate(np.unique(phys[missing])[:M]):
                 key = (layer, int(p))
-                if key not in t.below:
-                    raise TierError(f"page (layer={layer}, page={int(p)}) is needed on device but no tier holds "
-                                    f"its current content.")
-                page = t.prefetcher.get(key)
-                if page is None:
-                    raise TierError(f"page (layer={layer}, page={int(p)}) failed verification and recomputing "
-                                    f"pages is not supported by the engine; set tier.on_corrupt='raise'.")
+                page = t.read_below(key)
                 a = t.slots.admit(key, protect=protect)
+                t.place(a)
                 if a.evicted is not None:
-                    t.page_to_slot[a.evicted] = 0
                     evicted[i] = a.evicted[1]
-                t.page_to_slot[key] = a.slot
                 slots[i], pages[i] = a.slot, int(p)
                 ks[i], vs[i] = page.k, page.v
             if not (pages < t.num_pages).any():
@@ -174,13 +168,12 @@ class FusedDecode:
 
     def speculate(self, layer: int, guess) -> None:
         """A lookahead guess for `layer` of this step: start fetching its pages now."""
-        t, r = self.t, self.r
+        t = self.t
         if self._error is not None:
             return
         try:
-            t.predictor.speculate(layer, r._bt, np.asarray(guess), r._ends)
-            t.prefetcher.schedule(key for key in t.predictor.lookahead_keys(layer)
-                                  if key in t.below and t.page_to_slot[key] == 0)
+            t.predictor.speculate(layer, self._bt, np.asarray(guess), self._ends)
+            t.prefetch(t.predictor.lookahead_keys(layer))
         except Exception as err:
             self._error = err
 
@@ -204,7 +197,7 @@ class FusedDecode:
         """Run the step; returns (logits, selections i32[L, B, K, k] as numpy)."""
         t, r = self.t, self.r
         self._error = None
-        r._bt, r._ends = bt, ends
+        self._bt, self._ends = bt, ends
         run = self.program(*bt.shape)
         logits, t.k, t.v, t.digests, sels = run(t.k, t.v, t.digests, r.eng.params, tokens_d, pos_d, bt_d, ends_d,
                                                 jnp.array(t.page_to_slot, copy=True), r.inv_freq)

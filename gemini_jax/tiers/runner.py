@@ -231,25 +231,38 @@ class TieredKV:
         adms = self.slots.ensure(keys)
         missing_keys, missing_slots = [], []
         for a in adms:
-            if a.evicted is not None:
-                self.page_to_slot[a.evicted] = 0
-            self.page_to_slot[a.key] = a.slot
+            self.place(a)
             if not a.hit and (fetch is True or (fetch is not False and a.key[1] in fetch)):
                 missing_keys.append(a.key)
                 missing_slots.append(a.slot)
         if missing_keys:
             self._fill(layer, missing_keys, missing_slots)
 
+    def place(self, a) -> None:
+        """Record an `Admission` in `page_to_slot` (the evicted key, if any, leaves its slot)."""
+        if a.evicted is not None:
+            self.page_to_slot[a.evicted] = 0
+        self.page_to_slot[a.key] = a.slot
+
+    def read_below(self, key):
+        """A page the device needs now, from the prefetcher (staged hit or timed miss)."""
+        if key not in self.below:
+            raise TierError(f"page (layer={key[0]}, page={key[1]}) is needed on device but no tier holds "
+                            f"its current content (a partial page must stay pinned: tier.pin_local_pages).")
+        page = self.prefetcher.get(key)
+        if page is None:  # on_corrupt="recompute": the stack refused a bad page
+            raise TierError(f"page (layer={key[0]}, page={key[1]}) failed verification and recomputing "
+                            f"pages is not supported by the engine; set tier.on_corrupt='raise'.")
+        return page
+
+    def prefetch(self, keys) -> None:
+        """Start fetching the keys (most wanted first) that are stored below and not in a slot."""
+        self.prefetcher.schedule(key for key in keys if key in self.below and self.page_to_slot[key] == 0)
+
     def _fill(self, layer, keys, slots) -> None:
         ks, vs = [], []
         for key in keys:
-            if key not in self.below:
-                raise TierError(f"page (layer={key[0]}, page={key[1]}) is needed on device but no tier holds "
-                                f"its current content (a partial page must stay pinned: tier.pin_local_pages).")
-            page = self.prefetcher.get(key)
-            if page is None:  # on_corrupt="recompute": the stack refused a bad page
-                raise TierError(f"page (layer={key[0]}, page={key[1]}) failed verification and recomputing "
-                                f"pages is not supported by the engine; set tier.on_corrupt='raise'.")
+            page = self.read_below(key)
             ks.append(page.k)
             vs.append(page.v)
         n = _pow2(len(keys))
@@ -391,7 +404,7 @@ class TieredRunner(_PrefillRunner):
         return logits
 
     def decode(self, nxt, lengths):
-        e, t = self.eng, self.t
+        e = self.eng
         for sid, n in zip(self.ids, lengths):
             self._reserve(sid, int(n) + 1)
         width = _call_width(e, self.ids, 1)  # the call's block-table width (digests scored)
@@ -513,32 +526,40 @@ class TieredRunner(_PrefillRunner):
             t.prefetcher.release_layer(layer)
             for j, sel_j in ahead.items():
                 t.predictor.speculate(j, bt, np.asarray(sel_j), ends)
-            t.prefetcher.schedule(key for key in t.predictor.predict(layer)
-                                  if key in t.below and t.page_to_slot[key] == 0)
+            t.prefetch(t.predictor.predict(layer))
         logits = _logits(e.graphdef, e.params, h, np.asarray(select, np.int32))
-        if ahead_on and sp.dense_layers == 0 and int(np.max(ends)) < bt.shape[1] * S:
-            # The next step's layer 0 has no earlier layer to guess from: use this step's argmax token.
-            nxt = _lookahead_next(e.graphdef, e.params, logits, pos_d + 1, t.digests, bt_d, t.windows[0],
-                                  sp=sp_ahead, block_size=S)
-            t.predictor.speculate(0, bt, np.asarray(nxt), np.asarray(ends) + 1)
-            t.prefetcher.schedule(key for key in t.predictor.lookahead_keys(0)
-                                  if key in t.below and t.page_to_slot[key] == 0)
+        if ahead_on and sp.dense_layers == 0:
+            self._guess_next_layer0(logits, pos_d, bt, bt_d, ends)
+            t.prefetch(t.predictor.lookahead_keys(0))
         if decode:
             hot = t.hot.end_step()
             t.slots.set_pins("hot", hot)
-        for key in ("prefetch_hits", "prefetch_misses", "pages_fetched_host", "pages_fetched_disk"):
-            self.stats[key] += t.prefetcher.stats[key] - before[key]
-        self.stats["stall_seconds"] += t.prefetcher.stats["stall_seconds"] - before["stall_seconds"]
+        self._count_prefetch(before)
         return logits, reads
+
+    def _guess_next_layer0(self, logits, pos_d, bt, bt_d, ends) -> None:
+        """The next step's layer 0 has no earlier layer to guess from: score its digests with the
+        embedding of this step's argmax token (when the next token still fits the block table)."""
+        e, t = self.eng, self.t
+        if int(np.max(ends)) >= bt.shape[1] * t.S:
+            return
+        sp = e.config.sparse
+        sp_ahead = dataclasses.replace(sp, budget=sp.budget * t.tc.lookahead)
+        nxt = _lookahead_next(e.graphdef, e.params, logits, pos_d + 1, t.digests, bt_d, t.windows[0],
+                              sp=sp_ahead, block_size=t.S)
+        t.predictor.speculate(0, bt, np.asarray(nxt), np.asarray(ends) + 1)
+
+    def _count_prefetch(self, before: dict) -> None:
+        """Add the prefetcher's counters since `before` (a copy of its stats) to the run's."""
+        now = self.t.prefetcher.stats
+        for key in ("prefetch_hits", "prefetch_misses", "pages_fetched_host", "pages_fetched_disk", "stall_seconds"):
+            self.stats[key] += now[key] - before[key]
 
     def _call_fused(self, bt, bt_d, tokens_d, pos_d, positions, ends, ends_d, continued, fresh, fill_pages_ids,
                     before):
         """A sparse decode step as one device program (`gemini_jax.tiers.fused`); the host's
         bookkeeping for the step runs after it."""
-        e, t = self.eng, self.t
-        cfg, sp = e.model_cfg, e.config.sparse
-        S, L = t.S, cfg.num_layers
-        B = bt.shape[0]
+        t, L = self.t, self.eng.model_cfg.num_layers
         for layer in range(L):  # the pages this step writes: resident before the program runs
             t.admit(layer, continued + fresh, fetch=set(continued))
         t0 = time.perf_counter()
@@ -560,20 +581,12 @@ class TieredRunner(_PrefillRunner):
                 t.predictor.observe(layer, bt, selected, ends)
             t.put_below(layer, fill_pages_ids)
             t.prefetcher.release_layer(layer)
-        depth = t.tc.prefetch_depth
-        if depth > 0 and t.tc.lookahead > 0 and int(np.max(ends)) < bt.shape[1] * S:
-            # The next step's layer 0 has no earlier layer to guess from: use this step's argmax token.
-            sp_ahead = dataclasses.replace(sp, budget=sp.budget * t.tc.lookahead)
-            nxt = _lookahead_next(e.graphdef, e.params, logits, pos_d + 1, t.digests, bt_d, t.windows[0],
-                                  sp=sp_ahead, block_size=S)
-            t.predictor.speculate(0, bt, np.asarray(nxt), np.asarray(ends) + 1)
+        if t.tc.prefetch_depth > 0 and t.tc.lookahead > 0:
+            self._guess_next_layer0(logits, pos_d, bt, bt_d, ends)
         for layer in range(L):  # the next step's guesses (layer 0's lookahead first)
-            t.prefetcher.schedule(key for key in t.predictor.predict(layer)
-                                  if key in t.below and t.page_to_slot[key] == 0)
+            t.prefetch(t.predictor.predict(layer))
         t.slots.set_pins("hot", t.hot.end_step())
-        for key in ("prefetch_hits", "prefetch_misses", "pages_fetched_host", "pages_fetched_disk"):
-            self.stats[key] += t.prefetcher.stats[key] - before[key]
-        self.stats["stall_seconds"] += t.prefetcher.stats["stall_seconds"] - before["stall_seconds"]
+        self._count_prefetch(before)
         return logits, reads
 
     def _dense_needed(self, bt, positions, ends, window):

@@ -67,16 +67,6 @@ class ShardedTierStack:
         tier = "disk" if any(g.tier == "disk" for g in got) else "host"
         return Fetched(np.concatenate([g.k for g in got]), np.concatenate([g.v for g in got]), tier)
 
-    def get_many(self, keys) -> dict:
-        """`get` of several keys: {key: Fetched, None, or the exception reading it raised}."""
-        out: dict = {}
-        for key in keys:
-            try:
-                out[key] = self.get(key)
-            except Exception as err:  # noqa: BLE001 - the caller raises it at use
-                out[key] = err
-        return out
-
     def get_async(self, key: PageKey) -> "Future[Optional[Fetched]]":
         return self._readers.submit(self.get, key)
 
