@@ -206,8 +206,13 @@ class SparseConfig:
     so every query-key distance stays within about `budget` tokens, the span a model trained on
     short contexts knows (keys are re-rotated by the position change; the local pages keep their
     true distances). Identical to "true" while the budget covers the context.
-    `score_queries`: how many of a sparse prefill chunk's queries score the pages (the last n; 0 =
-    all). Scoring costs chunk x pages x head_dim per chunk, which dominates at 10^6 tokens.
+    `score_queries`: how many of a sparse prefill chunk's queries score the pages (the last n real
+    ones, padding excluded; 0 = all). Scoring costs chunk x pages x head_dim per chunk, which
+    dominates at 10^6 tokens.
+    `last_token_alone` (sparse prefill only): the prompt's last token runs as a call of its own, so
+    the query whose logits give the first generated token selects its pages itself instead of
+    sharing a chunk's selection (one small extra call per prompt; the chunk's queries, scoring
+    together, often miss a page only that query needs).
     """
 
     enabled: bool = False
@@ -221,12 +226,15 @@ class SparseConfig:
     sparse_prefill: bool = False
     positions: str = "true"
     score_queries: int = 0
+    last_token_alone: bool = True
 
     def __post_init__(self):
         _require(self.positions in ("true", "compact"),
                  f"sparse.positions={self.positions!r} must be 'true' or 'compact'.")
         _require(isinstance(self.score_queries, int) and self.score_queries >= 0,
                  f"sparse.score_queries={self.score_queries!r} must be an integer >= 0 (0 = every query).")
+        _require(isinstance(self.last_token_alone, bool),
+                 f"sparse.last_token_alone={self.last_token_alone!r} must be true or false.")
         _require(self.digest in DIGEST_KINDS, f"sparse.digest={self.digest!r} must be one of {DIGEST_KINDS}.")
         _require(self.group_reduce in GROUP_REDUCE,
                  f"sparse.group_reduce={self.group_reduce!r} must be one of {GROUP_REDUCE}.")

@@ -297,11 +297,17 @@ class Engine:
         """(padded chunk, positions, real length) pieces of toks[start:], padded to powers of two
         (so few shapes compile)."""
         chunk = self.config.prefill_chunk
-        starts = range(start, len(toks), chunk)
+        bounds = [(s, min(s + chunk, len(toks))) for s in range(start, len(toks), chunk)]
+        sp = self.config.sparse
+        if sp.enabled and sp.sparse_prefill and sp.last_token_alone and bounds and bounds[-1][1] - bounds[-1][0] > 1:
+            # The last token's logits give the first generated token: it selects pages for itself
+            # rather than sharing the selection of a whole chunk's queries.
+            s, e = bounds.pop()
+            bounds += [(s, e - 1), (e - 1, e)]
         # Long prompts (minutes on a CPU) show a progress bar on stderr; short ones stay quiet.
-        for s in tqdm(starts, desc="prefill", unit="chunk", disable=len(starts) < PREFILL_PROGRESS_CHUNKS,
-                      leave=False):
-            piece = toks[s:s + chunk]
+        for s, e in tqdm(bounds, desc="prefill", unit="chunk", disable=len(bounds) < PREFILL_PROGRESS_CHUNKS,
+                         leave=False):
+            piece = toks[s:e]
             n = len(piece)
             width = min(_pow2_at_least(n, 16), max(chunk, n))
             padded = np.zeros(width, np.int32)

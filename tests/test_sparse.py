@@ -210,3 +210,53 @@ def test_compact_positions_refused_for_two_rope_families():
     cfg = tiny_config("gemma3")
     with pytest.raises(ConfigError, match="compact"):
         _engine(random_model(cfg, 1), dict(enabled=True, budget=32, positions="compact"))
+
+
+def test_padding_queries_do_not_score_pages():
+    """A chunk padded to a power of two: whatever the padding queries hold, the selection is the
+    one its real queries make (the last `score_queries` real ones, or all of them)."""
+    from gemini_jax.attention.select import scoring_queries, select_step
+
+    rng = np.random.default_rng()
+    B, T, H, K, D, S, W = 3, 16, 4, 2, 8, 8, 12
+    n_real = np.array([16, 5, 1])
+    start = rng.integers(0, 4, B) * S
+    q_pos = jnp.asarray(start[:, None] + np.arange(T), jnp.int32)
+    lengths = jnp.asarray(start + n_real, jnp.int32)
+    dig = jnp.asarray(rng.normal(size=(K, 64, 2, D)).astype(np.float32))
+    tables = jnp.asarray(rng.permutation(64)[:B * W].reshape(B, W), jnp.int32)
+    q = rng.normal(size=(B, T, H, D)).astype(np.float32)
+    for sq in (0, 3, 64):
+        sp = gj.config.SparseConfig(enabled=True, budget=32, score_queries=sq, sparse_prefill=True)
+        want = None
+        for trial in range(2):  # two different paddings
+            qq = q.copy()
+            for b in range(B):
+                qq[b, n_real[b]:] = rng.normal(scale=50.0, size=(T - n_real[b], H, D))
+            got = np.asarray(select_step(sp, dig, jnp.asarray(qq), q_pos, tables, block_size=S, lengths=lengths))
+            want = got if want is None else want
+            np.testing.assert_array_equal(got, want)
+            picked = np.asarray(scoring_queries(jnp.asarray(qq), q_pos, lengths, sq))
+            for b in range(B):
+                m = sq if 0 < sq < T else T
+                real = qq[b, max(n_real[b] - m, 0):n_real[b]]
+                assert {r.tobytes() for r in picked[b]} == {r.tobytes() for r in real}, (sq, b)
+
+
+@pytest.mark.parametrize("sparse,alone", [
+    (dict(enabled=True, sparse_prefill=True), True),
+    (dict(enabled=True, sparse_prefill=True, last_token_alone=False), False),
+    (dict(enabled=True), False),  # dense prefill: chunks as configured
+    ({}, False),
+])
+def test_last_prompt_token_runs_alone_under_sparse_prefill(sparse, alone):
+    rng = np.random.default_rng()
+    eng = _engine(random_model(tiny_config("llama"), 5), dict(sparse, budget=32) if sparse else None)
+    n = int(rng.integers(20, 60))
+    pieces = [k for _, _, k in eng._prefill_chunks(np.arange(n, dtype=np.int32), 0)]
+    assert sum(pieces) == n
+    chunk = eng.config.prefill_chunk
+    want = [chunk] * ((n - 1) // chunk) + [(n - 1) % chunk + 1]
+    if alone:
+        want = want[:-1] + ([want[-1] - 1] if want[-1] > 1 else []) + [1]
+    assert pieces == want

@@ -115,7 +115,7 @@ def paged_backend(cfg: ModelConfig, impl: str = "xla", sparse: SparseConfig | No
     def sparse_step(layer, q, q_pos, window, cache):
         T = q.shape[1]
         selected = select_step(sp, cache.digests[layer], q, q_pos, cache.block_tables,
-                               block_size=cache.k.shape[3], window=window)
+                               block_size=cache.k.shape[3], window=window, lengths=cache.lengths)
         reads = jnp.sum(selected >= 0).astype(jnp.int32)
         if compact:  # the kernel keeps true positions: re-positioned keys take the XLA path
             out = sparse_attention(q, q_pos, cache.k[layer], cache.v[layer], cache.block_tables, cache.lengths,

@@ -71,7 +71,8 @@ def _program(graphdef, host, *, L, windows, sp, sp_ahead, depth, kind, block_siz
             q, k, v = model.layer_qkv(layer, h, positions)
             k_slots, v_slots = write_pages(k_slots, v_slots, layer, k, v, positions, slot_table, ends)
             digests = D.update(kind, digests, k_slots, layer, positions, slot_table, ends, digest_tables=bt)
-            sel = select_step(sp, digests[layer], q, positions, bt, block_size=block_size, window=windows[layer])
+            sel = select_step(sp, digests[layer], q, positions, bt, block_size=block_size, window=windows[layer],
+                              lengths=ends)
             phys = jnp.where(sel >= 0, jnp.take_along_axis(bt[:, None, :], jnp.maximum(sel, 0), axis=2), 0)
 
             def missing(p2s, phys=phys, layer=layer):

@@ -111,7 +111,8 @@ def _front(graphdef, k_slots, v_slots, digests, params, layer, h, positions, slo
         digests = D.update(kind, digests, k_slots, layer, positions, slot_table, lengths, digest_tables=page_table)
     selected = None
     if sp is not None:
-        selected = select_step(sp, digests[layer], q, positions, page_table, block_size=block_size, window=window)
+        selected = select_step(sp, digests[layer], q, positions, page_table, block_size=block_size, window=window,
+                               lengths=lengths)
     return q, k_slots, v_slots, digests, selected
 
 
