@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import sys
@@ -42,6 +43,10 @@ def parse(argv=None):
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--chunk", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--oracle", default="off", choices=["off", "prompt", "decode", "all"],
+                   help="force the needle's pages into the selections of the prompt's calls after the needle "
+                        "('prompt'), of the decode steps ('decode') or both: does the answer fail on selection?")
+    p.add_argument("--oracle-layers", type=int, nargs="+", default=None, help="layers the oracle edits (default all)")
     p.add_argument("--name", default=None, help="output name (default from the settings)")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     return p.parse_args(argv)
@@ -52,6 +57,32 @@ def needle_pages(ex, block_size: int) -> set[int]:
     mark = ex.needle_at + len(tasks.NEEDLE.split(tasks.MARK)[0].format(of=""))  # needle text starts at needle_at
     assert ex.prompt[mark] == ord(tasks.MARK), "needle layout changed"
     return {p // block_size for p in range(mark, mark + 1 + tasks.KEY_DIGITS)}
+
+
+def force_pages(pages: set, layer, decode, positions, selected, *, when, layers, sink_pages, block_size):
+    """Oracle selection edit: every (sequence, kv head) row also reads `pages` (those already
+    written), each in place of the row's earliest retrieved page (after the sink pages) or of
+    padding, so the number of pages read stays the same."""
+    if (when == "decode" and not decode) or (when == "prompt" and decode) or (layers and layer not in layers):
+        return selected
+    last = int(np.max(positions)) // block_size
+    want = [p for p in sorted(pages) if p <= last]
+    out = selected.copy()
+    for row in out.reshape(-1, out.shape[-1]):
+        have = set(row[row >= 0].tolist())
+        for p in want:
+            if p in have:
+                continue
+            free = np.flatnonzero(row < 0)
+            spare = [c for c in range(sink_pages, len(row)) if row[c] >= 0 and row[c] not in pages]
+            col = int(free[0]) if len(free) else (spare[0] if spare else None)
+            if col is None:
+                break
+            have.discard(int(row[col]))
+            row[col] = p
+            have.add(p)
+        row[:] = sorted(row, key=lambda x: (x < 0, x))
+    return out
 
 
 def main(argv=None) -> int:
@@ -68,15 +99,22 @@ def main(argv=None) -> int:
     trials = []
     with gj.Engine(model, ecfg) as eng:
         log = eng.tiered.selection_log = []
+        forced: set = set()  # the running trial's needle pages, for the oracle
+        if a.oracle != "off":
+            eng.tiered.selection_edit = functools.partial(
+                force_pages, forced, when=a.oracle, layers=a.oracle_layers, sink_pages=sp.sink_pages, block_size=a.block_size)
         cells = [(i, L, j, d, t) for i, L in enumerate(a.lengths) for j, d in enumerate(a.depths)
                  for t in range(a.trials)]
         for i, L, j, d, t in tqdm(cells, desc="needle diagnosis", unit="trial"):
             ex = tasks.needle_example(held, L, d, np.random.default_rng([a.seed, i, j, t]))
+            forced.clear()
+            forced.update(needle_pages(ex, a.block_size))
             log.clear()
             out = eng.generate(list(map(int, ex.prompt)), params)
             text = bytes(x for x in out.tokens if x < 256).decode("utf-8", "replace")
             pages = needle_pages(ex, a.block_size)
-            steps = [r for r in log if r["decode"]]
+            # Answer steps: the prompt's last call (its last query gives the first answer digit), then decode.
+            steps = [r for r in log if not r["decode"]][-cfg.num_layers:] + [r for r in log if r["decode"]]
             # hit[s, layer, head]: the selection of answer step s held a needle page
             hit = np.zeros((len(steps) // cfg.num_layers, cfg.num_layers, cfg.num_kv_heads), bool)
             for n, r in enumerate(steps):
@@ -117,9 +155,13 @@ def markdown(r) -> str:
              f"Run {r['date']}: `{r['command']}`. The shipped tiny model; {a['trials']} trial(s) per (length, "
              f"depth), depths {a['depths']}; sparse prefill (last 64 queries of each {a['chunk']}-token chunk score "
              f"pages) and sparse decode; block {a['block_size']}. *Recall* = share of (answer step, kv head) "
-             f"selections that held a page of the needle's key, per layer.", "",
-             "| length | accuracy | recall, 1st answer step, layers 0…L-1 | recall, all steps | "
-             "recall (all steps, mean over layers): right / wrong trials |", "|---|---|---|---|---|"]
+             f"selections that held a page of the needle's key, per layer; the answer steps are the prompt's "
+             f"last call (its last query gives the first digit) and the decode steps.", ""]
+    if a.get("oracle", "off") != "off":
+        lines += [f"**Oracle**: the needle's pages forced into the selections of {a['oracle']} calls, layers "
+                  f"{a.get('oracle_layers') or 'all'} (each in place of the earliest retrieved page).", ""]
+    lines += ["| length | accuracy | recall, 1st answer step, layers 0…L-1 | recall, all steps | "
+              "recall (all steps, mean over layers): right / wrong trials |", "|---|---|---|---|---|"]
     for L in a["lengths"]:
         ts = [t for t in r["trials"] if t["length"] == L]
         acc = np.mean([t["correct"] for t in ts])

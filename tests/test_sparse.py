@@ -172,7 +172,7 @@ def test_page_shift_equals_keys_roped_at_the_new_position():
     from gemini_jax.model import layers as L
 
     rng = np.random.default_rng()
-    B, K, G, D, S, P, n = 1, 2, 2, 16, 4, 9, 3
+    B, K, G, D, S, P = 1, 2, 2, 16, 4, 9
     inv = L.inv_frequencies(gj.RopeConfig(theta=10000.0), D)
     k0 = rng.standard_normal((K, P, S, D)).astype(np.float32)  # un-roped keys, page p at positions p*S..
     v = rng.standard_normal((K, P, S, D)).astype(np.float32)

@@ -3,7 +3,6 @@ change the numbers; pages really move (counters); disk pages are verified on the
 
 from __future__ import annotations
 
-import os
 import pathlib
 
 import numpy as np
@@ -272,3 +271,40 @@ def test_fused_decode_raises_integrity_error_for_a_corrupt_page(tmp_path):
         with pytest.raises(IntegrityError, match="layer"):
             for _ in range(37):
                 next(sess)
+
+
+def test_selection_edit_hook_replaces_the_selection():
+    """The research hook: an identity edit keeps the numbers (and runs decode layer by layer); an
+    edit that forces a page in is what the attention reads (the log shows it, the logits move)."""
+    rng = np.random.default_rng()
+    cfg = tiny_config("llama")
+    model = random_model(cfg, int(rng.integers(100)))
+    prompt = random_prompts(rng, cfg.vocab_size, [int(rng.integers(150, 250))])
+    base = {**_base(True), "sparse": SparseConfig(enabled=True, budget=64, sink_pages=1, local_pages=1,
+                                                  sparse_prefill=True)}
+    ecfg = EngineConfig(**base, tier=TierConfig(enabled=True, device_fraction=1.0))
+    params = SamplingParams(max_new_tokens=4, temperature=0.0, stop_at_eos=False)
+    with gj.Engine(model, ecfg) as eng:
+        plain = eng.generate(prompt, params, return_logits=True)
+        assert eng.tier_stats()["fused_decode_steps"] > 0
+    seen = []
+
+    def identity(layer, decode, positions, selected):
+        seen.append(decode)
+        return selected
+
+    with gj.Engine(model, ecfg) as eng:
+        eng.tiered.selection_edit = identity
+        same = eng.generate(prompt, params, return_logits=True)
+        assert eng.tier_stats()["fused_decode_steps"] == 0
+    assert any(seen) and not all(seen)  # prompt calls and decode steps both went through it
+    np.testing.assert_allclose(same.logits[0], plain.logits[0], atol=1e-5, rtol=0)
+
+    with gj.Engine(model, ecfg) as eng:
+        log = eng.tiered.selection_log = []
+        eng.tiered.selection_edit = lambda layer, decode, positions, sel: np.where(
+            (np.arange(sel.shape[-1]) == 1) & decode, 2, sel)  # column 1 reads logical page 2 at decode
+        forced = eng.generate(prompt, params, return_logits=True)
+    rows = [r["selected"] for r in log if r["decode"]]
+    assert rows and all(np.all(r[..., 1] == 2) for r in rows)
+    assert np.abs(forced.logits[0][1:] - plain.logits[0][1:]).max() > 1e-4

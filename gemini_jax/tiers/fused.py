@@ -125,7 +125,8 @@ class FusedDecode:
         """Whether a step of B sequences runs as one program (else: layer by layer)."""
         e, t = self.r.eng, self.t
         sp = e.config.sparse
-        if not (sp.enabled and sp.dense_layers == 0 and t.mesh is None and t.tc.fused_decode):
+        if not (sp.enabled and sp.dense_layers == 0 and t.mesh is None and t.tc.fused_decode
+                and t.selection_edit is None):
             return False
         # One layer's selection (every kv head may pick different pages) plus the pinned pages
         # must fit its slots at once.

@@ -209,6 +209,11 @@ class TieredKV:
         # Research hook: set to a list to record every sparse selection ({"layer", "decode",
         # "positions", "selected": logical ids [B, K, k]}); None records nothing.
         self.selection_log: list | None = None
+        # Research hook: a function (layer, decode, positions [B, T], selected [B, K, k]) -> selected
+        # of the same shape (logical ids, ascending, -1 padded) that replaces a sparse selection
+        # before the pages are read (e.g. an oracle that forces chosen pages in); None changes
+        # nothing. Set, it runs decode steps layer by layer (the one-program step selects on device).
+        self.selection_edit = None
         # Device scalars made once: creating one per layer per call is a dispatch each time.
         self.layer_ids = [jnp.int32(layer) for layer in range(L)]
         self.windows = [jnp.int32(w) for w in cfg.layer_windows]
@@ -509,6 +514,8 @@ class TieredRunner(_PrefillRunner):
             shift = None
             if sparse_here:
                 selected = np.asarray(sel_d)
+                if t.selection_edit is not None:
+                    selected = np.asarray(t.selection_edit(layer, decode, np.array(positions), selected), np.int32)
                 if sp.positions == "compact":  # from the whole selection, before it splits into groups
                     shift = compact_shift(selected, S)
                 if t.selection_log is not None:
