@@ -213,6 +213,10 @@ class SparseConfig:
     the query whose logits give the first generated token selects its pages itself instead of
     sharing a chunk's selection (one small extra call per prompt; the chunk's queries, scoring
     together, often miss a page only that query needs).
+    `score_distance` (compact positions only; 0 = off): score every page as if it sat that many
+    tokens before the query, from digests of the keys before rope. Compact positions attend to a
+    page at its re-positioned distance (within the budget), so scoring it at its true distance, far
+    beyond what a short-context model was trained on, misjudges it.
     """
 
     enabled: bool = False
@@ -227,12 +231,18 @@ class SparseConfig:
     positions: str = "true"
     score_queries: int = 0
     last_token_alone: bool = True
+    score_distance: int = 0
 
     def __post_init__(self):
         _require(self.positions in ("true", "compact"),
                  f"sparse.positions={self.positions!r} must be 'true' or 'compact'.")
         _require(isinstance(self.score_queries, int) and self.score_queries >= 0,
                  f"sparse.score_queries={self.score_queries!r} must be an integer >= 0 (0 = every query).")
+        _require(isinstance(self.score_distance, int) and self.score_distance >= 0,
+                 f"sparse.score_distance={self.score_distance!r} must be an integer >= 0 (0 = true positions).")
+        _require(self.score_distance == 0 or self.positions == "compact",
+                 f"sparse.score_distance={self.score_distance} scores pages at the distance compact positions "
+                 f"put them; it needs sparse.positions='compact' (got {self.positions!r}).")
         _require(isinstance(self.last_token_alone, bool),
                  f"sparse.last_token_alone={self.last_token_alone!r} must be true or false.")
         _require(self.digest in DIGEST_KINDS, f"sparse.digest={self.digest!r} must be one of {DIGEST_KINDS}.")

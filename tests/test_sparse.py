@@ -27,10 +27,11 @@ def test_budget_covering_context_equals_dense_paged(family):
     params = gj.SamplingParams(max_new_tokens=10, stop_at_eos=False)
     dense = _engine(model).generate(prompts, params, return_logits=True)
     compact = dict(enabled=True, budget=160, positions="compact", sparse_prefill=True, score_queries=4)
+    compact_scored = dict(compact, score_distance=48)
     variants = [dict(enabled=True, budget=160), dict(enabled=True, budget=160, digest="mean",
                                                      sparse_prefill=True, group_reduce="mean")]
     if cfg.local_rope is None:  # compact positions re-rotate with the one rope a family has
-        variants.append(compact)  # every page selected: no page moves
+        variants += [compact, compact_scored]  # every page selected: no page moves
     for sparse in variants:
         out = _engine(model, sparse).generate(prompts, params, return_logits=True)
         assert out.tokens == dense.tokens
@@ -236,7 +237,7 @@ def test_padding_queries_do_not_score_pages():
             got = np.asarray(select_step(sp, dig, jnp.asarray(qq), q_pos, tables, block_size=S, lengths=lengths))
             want = got if want is None else want
             np.testing.assert_array_equal(got, want)
-            picked = np.asarray(scoring_queries(jnp.asarray(qq), q_pos, lengths, sq))
+            picked = np.asarray(scoring_queries(jnp.asarray(qq), q_pos, lengths, sq)[0])
             for b in range(B):
                 m = sq if 0 < sq < T else T
                 real = qq[b, max(n_real[b] - m, 0):n_real[b]]
@@ -260,3 +261,57 @@ def test_last_prompt_token_runs_alone_under_sparse_prefill(sparse, alone):
     if alone:
         want = want[:-1] + ([want[-1] - 1] if want[-1] > 1 else []) + [1]
     assert pieces == want
+
+
+def test_score_distance_digests_hold_unroped_keys_and_bound_scores_at_that_distance():
+    """sparse.score_distance: the digests bound the keys before rope, and a page's score bounds
+    q . k for each of its keys re-roped at `score_distance` tokens before the query."""
+    from gemini_jax.attention.select import page_scores, select_step
+    from gemini_jax.engine import _PagedRunner, new_stats
+    from gemini_jax.model import layers as L
+
+    rng = np.random.default_rng()
+    cfg = tiny_config("llama")
+    d = int(rng.integers(8, 60))
+    sparse = dict(enabled=True, budget=32, positions="compact", score_distance=d, sparse_prefill=True)
+    eng = _engine(random_model(cfg, int(rng.integers(100))), sparse)
+    runner = _PagedRunner(eng, 1, new_stats())
+    runner.prefill(0, np.asarray(random_prompts(rng, cfg.vocab_size, (70,))[0], np.int32))
+    seq = eng.kv.seqs[runner.ids[0]]
+    inv = L.inv_frequencies(cfg.rope, cfg.head_dim)
+    k = np.asarray(eng.k_pool)  # [L, K, P, S, D], roped at true positions
+    dig = np.asarray(eng.digests)
+    raw = []
+    for i, page in enumerate(seq.pages):
+        count = min(8, seq.num_tokens - i * 8)
+        cos, sin = L.rope_angles(-jnp.arange(i * 8, i * 8 + count)[None], inv)  # [1, count, D]
+        keys = np.asarray(L.rotate(jnp.asarray(k[:, :, page, :count]), cos[0], sin[0]))  # [L, K, count, D]
+        raw.append(keys)
+        np.testing.assert_allclose(dig[:, :, page, 0], keys.min(2), atol=1e-5)
+        np.testing.assert_allclose(dig[:, :, page, 1], keys.max(2), atol=1e-5)
+    # Scores: an upper bound of q . (key roped at p - d), per page, for a random query at p.
+    p = seq.num_tokens - 1
+    q = rng.normal(size=(1, 1, cfg.num_heads, cfg.head_dim)).astype(np.float32)
+    sp = eng.config.sparse
+    table = jnp.asarray([seq.pages], jnp.int32)
+    cos, sin = L.rope_angles(-(jnp.asarray([[p]]) - d), inv)
+    q_turned = L.rotate(jnp.asarray(q), cos[:, :, None], sin[:, :, None])
+    bound = np.asarray(page_scores("minmax", q_turned, jnp.asarray(dig[0][:, table[0]])[None], sp.group_reduce))[0]
+    G = cfg.num_heads // cfg.num_kv_heads
+    for i, keys in enumerate(raw):
+        cq, sq_ = L.rope_angles(jnp.asarray([[p]]), inv)
+        q_roped = np.asarray(L.rotate(jnp.asarray(q), cq[:, :, None], sq_[:, :, None]))[0, 0]  # [H, D]
+        ck, sk = L.rope_angles(jnp.full((1, keys.shape[2]), p - d), inv)
+        k_at = np.asarray(L.rotate(jnp.asarray(keys[0]), ck, sk))  # [K, count, D] roped at p - d
+        for h in range(cfg.num_kv_heads):
+            exact = max(float((k_at[h] @ q_roped[h * G + g]).max()) for g in range(G))
+            assert bound[h, i] >= exact - 1e-4, (h, i)
+    # select_step turns the query the same way: its top page is the top-bound page (after the forced ones).
+    sel = np.asarray(select_step(sp, jnp.asarray(dig[0]), jnp.asarray(q), jnp.asarray([[p]], jnp.int32), table,
+                                 block_size=8, lengths=jnp.asarray([p + 1]), inv_freq=inv))[0]
+    W = len(raw)
+    for h in range(cfg.num_kv_heads):
+        free = [w for w in range(1, W - 2)]  # not sink (0), not local (last two)
+        best = max(free, key=lambda w: bound[h, w])
+        assert best in sel[h].tolist(), h
+    runner.close()

@@ -201,12 +201,13 @@ def test_too_small_budget_is_cache_exhausted_not_wrong():
         eng.generate([i % 90 + 1 for i in range(300)], SamplingParams(max_new_tokens=2))
 
 
-def test_compact_positions_over_tiers_match_all_resident():
+@pytest.mark.parametrize("distance", [0, 24])
+def test_compact_positions_over_tiers_match_all_resident(distance):
     cfg = tiny_config("qwen2")
     model = random_model(cfg, 8)
     prompts = random_prompts(np.random.default_rng(), cfg.vocab_size, [210, 170])
     sp = SparseConfig(enabled=True, budget=48, sink_pages=1, local_pages=1, positions="compact",
-                      sparse_prefill=True, score_queries=8)
+                      sparse_prefill=True, score_queries=8, score_distance=distance)
     base = dict(_base(True), sparse=sp)
     ref = gj.Engine(model, EngineConfig(**base)).generate(prompts, GREEDY, return_logits=True)
     tier = TierConfig(enabled=True, device_fraction=0.1, prefetch_depth=2, hot_threshold=0)
@@ -223,8 +224,9 @@ def _fused_base(**sparse):
     return dict(max_seq_len=512, max_batch=1, prefill_chunk=32, cache=CacheConfig(block_size=8), sparse=sp)
 
 
-@pytest.mark.parametrize("family, positions", [("gemma2", "true"), ("llama", "compact")])
-def test_fused_decode_steps_bring_missing_pages_exactly(family, positions):
+@pytest.mark.parametrize("family, positions, distance", [("gemma2", "true", 0), ("llama", "compact", 0),
+                                                        ("llama", "compact", 40)])
+def test_fused_decode_steps_bring_missing_pages_exactly(family, positions, distance):
     """Decode steps as one device program (tier.fused_decode): pages missing from the slots are
     brought in by the program's host callback, and the numbers are the all-resident ones — and
     the layer-by-layer path's — for prefetch depths 0 and 2 (gemma2: sliding windows, soft caps)."""
@@ -232,7 +234,7 @@ def test_fused_decode_steps_bring_missing_pages_exactly(family, positions):
     model = random_model(cfg, 21)
     rng = np.random.default_rng()
     prompts = random_prompts(rng, cfg.vocab_size, [int(rng.integers(330, 420))])
-    base = _fused_base(positions=positions)
+    base = _fused_base(positions=positions, score_distance=distance)
     ref = gj.Engine(model, EngineConfig(**base)).generate(prompts, GREEDY, return_logits=True)
     for depth in (0, 2):
         for fused in (True, False):

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from gemini_jax.model.layers import rope_angles, rotate
+
 ROWS = {"minmax": 2, "mean": 1}
 
 
@@ -34,8 +36,11 @@ def page_digest(kind: str, keys, count):
     return mean[..., None, :]
 
 
-def update(kind: str, digests, k_pool, layer, positions, block_tables, lengths, digest_tables=None):
+def update(kind: str, digests, k_pool, layer, positions, block_tables, lengths, digest_tables=None, unrope=None):
     """Recompute the digests of the pages that `positions` [B, T] touched in `layer`.
+
+    `unrope` (the rope's inv_freq, for `sparse.score_distance`): digest the keys as they were
+    before rope (each rotated back by its own position), so a page can be scored at any distance.
 
     A call of T tokens touches at most T // S + 2 logical pages per row; only those are read.
     Pages are read from `k_pool` through `block_tables`; digests are written through
@@ -54,6 +59,9 @@ def update(kind: str, digests, k_pool, layer, positions, block_tables, lengths, 
     last_written = positions[:, -1:] // S
     touched = in_table & (logical <= last_written) & (count > 0)
     pages = k_pool[layer][:, phys]  # [K, B, n, S, D]
+    if unrope is not None:
+        cos, sin = rope_angles(-(logical[:, :, None] * S + jnp.arange(S)), unrope)  # [B, n, S, D]
+        pages = rotate(pages.astype(jnp.float32), cos, sin)
     dig = page_digest(kind, pages, jnp.broadcast_to(count[None], pages.shape[:3]))  # [K, B, n, R, D]
     if digest_tables is not None:
         P = digests.shape[2]

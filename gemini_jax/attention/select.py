@@ -10,6 +10,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from gemini_jax.model.layers import rope_angles, rotate
+
 NEG = -jnp.inf
 
 
@@ -63,27 +65,35 @@ def scoring_queries(q, q_pos, lengths, score_queries: int):
     """The queries that score pages: the last `score_queries` *real* queries of each row (0 = all).
 
     q [B, T, H, D], q_pos [B, T], lengths i32[B] (end of the real tokens; None: every query is
-    real) -> [B, m, H, D]. A chunk padded to a power of two has padding queries at its end; they
-    must not score, or a short last chunk would be scored by padding. Rows with fewer real queries
-    than m repeat their first one (harmless under the max over queries).
+    real) -> ([B, m, H, D], their positions [B, m]). A chunk padded to a power of two has padding
+    queries at its end; they must not score, or a short last chunk would be scored by padding.
+    Rows with fewer real queries than m repeat their first one (harmless under the max over queries).
     """
     T = q.shape[1]
     m = score_queries if 0 < score_queries < T else T
     if lengths is None:
-        return q[:, T - m:]
+        return q[:, T - m:], q_pos[:, T - m:]
     n_real = jnp.clip(lengths - q_pos[:, 0], 1, T)  # [B]
     idx = jnp.clip(n_real[:, None] - m + jnp.arange(m), 0, n_real[:, None] - 1)  # [B, m]
-    return jnp.take_along_axis(q, idx[:, :, None, None], axis=1)
+    return jnp.take_along_axis(q, idx[:, :, None, None], axis=1), jnp.take_along_axis(q_pos, idx, axis=1)
 
 
-def select_step(sp, digests_layer, q, q_pos, block_tables, *, block_size: int, window=0, lengths=None):
+def select_step(sp, digests_layer, q, q_pos, block_tables, *, block_size: int, window=0, lengths=None,
+                inv_freq=None):
     """The pages a call's queries read under `SparseConfig` sp: digests_layer [K, P, R, D] (one
     layer, indexed by page id), q [B, T, H, D], q_pos [B, T], block_tables i32[B, W] (page ids),
     lengths i32[B] (end of each row's real tokens: padding queries do not score)
-    -> i32[B, K, k] logical pages. A prefill chunk's own pages come on top of the budget."""
+    -> i32[B, K, k] logical pages. A prefill chunk's own pages come on top of the budget.
+
+    With `sp.score_distance` > 0 the digests hold keys before rope and `inv_freq` (the rope's)
+    turns each query to score every page as if it sat that many tokens before the query."""
     T = q.shape[1]
     dig = digests_layer[:, block_tables]  # [K, B, W, R, D]
-    q_score = scoring_queries(q, q_pos, lengths, sp.score_queries)
+    q_score, pos_score = scoring_queries(q, q_pos, lengths, sp.score_queries)
+    if sp.score_distance > 0:
+        # q roped at p, rotated by -(p - d), meets an un-roped key as if the key were roped at p - d.
+        cos, sin = rope_angles(-(pos_score - sp.score_distance), inv_freq)  # [B, m, D]
+        q_score = rotate(q_score.astype(jnp.float32), cos[:, :, None], sin[:, :, None])
     scores = page_scores(sp.digest, q_score, jnp.swapaxes(dig, 0, 1), sp.group_reduce)
     k = sp.budget // block_size + (0 if T == 1 else T // block_size + 1)
     return select_pages(scores, q_pos[:, 0], q_pos[:, -1], block_size=block_size, k=k,

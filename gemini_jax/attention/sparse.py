@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from gemini_jax.model.layers import NEG_INF, rope_angles, softcap
+from gemini_jax.model.layers import NEG_INF, rope_angles, rotate, softcap
 
 
 def sparse_attention(q, q_pos, k_layer, v_layer, block_tables, lengths, selected, *, scale: float,
@@ -42,9 +42,7 @@ def sparse_attention(q, q_pos, k_layer, v_layer, block_tables, lengths, selected
     if page_shift is not None:
         shift = jnp.repeat(page_shift, S, axis=-1)  # [B, K, nS]
         cos, sin = rope_angles(shift, inv_freq)  # [B, K, nS, D] (rope_angles takes any leading shape)
-        half = D // 2
-        kf = kk.astype(jnp.float32)
-        kk = (kf * cos + jnp.concatenate([-kf[..., half:], kf[..., :half]], axis=-1) * sin).astype(q.dtype)
+        kk = rotate(kk.astype(jnp.float32), cos, sin).astype(q.dtype)
     s = jnp.einsum("btkgd,bksd->bkgts", qg, kk, preferred_element_type=jnp.float32) * scale
     s = softcap(s, cap)
     s = jnp.where(mask[:, :, None], s, NEG_INF)

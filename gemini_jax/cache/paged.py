@@ -76,6 +76,7 @@ def paged_backend(cfg: ModelConfig, impl: str = "xla", sparse: SparseConfig | No
         raise ConfigError("sparse.positions='compact' re-rotates keys with the model's rope; this family has "
                           "a second (local) rope, which is not supported: use positions='true'.")
     inv_freq = L.inv_frequencies(cfg.rope, cfg.head_dim) if compact else None
+    unrope = inv_freq if compact and sp.score_distance > 0 else None  # digests of keys before rope
 
     def attend(layer, q, k, v, q_pos, window, cache: PagedKV):
         k_pool, v_pool = write_pages(cache.k, cache.v, layer, k, v, q_pos, cache.block_tables,
@@ -83,7 +84,7 @@ def paged_backend(cfg: ModelConfig, impl: str = "xla", sparse: SparseConfig | No
         cache = cache._replace(k=k_pool, v=v_pool)
         if sp is not None:
             cache = cache._replace(digests=D.update(sp.digest, cache.digests, k_pool, layer, q_pos,
-                                                    cache.block_tables, cache.lengths))
+                                                    cache.block_tables, cache.lengths, unrope=unrope))
         T = q.shape[1]
         if sp is not None and (T == 1 or sp.sparse_prefill):
             if sp.dense_layers > 0:
@@ -115,7 +116,8 @@ def paged_backend(cfg: ModelConfig, impl: str = "xla", sparse: SparseConfig | No
     def sparse_step(layer, q, q_pos, window, cache):
         T = q.shape[1]
         selected = select_step(sp, cache.digests[layer], q, q_pos, cache.block_tables,
-                               block_size=cache.k.shape[3], window=window, lengths=cache.lengths)
+                               block_size=cache.k.shape[3], window=window, lengths=cache.lengths,
+                               inv_freq=inv_freq)
         reads = jnp.sum(selected >= 0).astype(jnp.int32)
         if compact:  # the kernel keeps true positions: re-positioned keys take the XLA path
             out = sparse_attention(q, q_pos, cache.k[layer], cache.v[layer], cache.block_tables, cache.lengths,

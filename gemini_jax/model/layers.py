@@ -60,10 +60,14 @@ def rope_angles(positions, inv_freq):
 
 def apply_rope(x, cos, sin):
     """x [B, T, H, D]; cos/sin [B, T, D]."""
+    return rotate(x, cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype))
+
+
+def rotate(x, cos, sin):
+    """Rope rotation of x [..., D] by angles whose cos/sin broadcast against x (half-rotation
+    layout). Rotations compose: rotating a key roped at p by the angles of s gives it at p + s."""
     half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    c, s = cos[:, :, None, :].astype(x.dtype), sin[:, :, None, :].astype(x.dtype)
-    return x * c + rotated * s
+    return x * cos + jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1) * sin
 
 
 def softcap(x, cap):

@@ -53,6 +53,7 @@ def _program(graphdef, host, *, L, windows, sp, sp_ahead, depth, kind, block_siz
     def run(k_slots, v_slots, digests, params, tokens, positions, bt, ends, p2s, inv_freq):
         model = nnx.merge(graphdef, params)
         h = model.embed_tokens(tokens)
+        unrope = inv_freq if sp.score_distance > 0 else None  # digests of keys before rope
         sels = []
         ids = jax.ShapeDtypeStruct((M,), jnp.int32)
         page = jax.ShapeDtypeStruct((M, K, S, D_), dtype)
@@ -65,14 +66,15 @@ def _program(graphdef, host, *, L, windows, sp, sp_ahead, depth, kind, block_siz
                     if j < L:
                         q_j, _, _ = model.layer_qkv(j, h, positions)
                         guess = select_step(sp_ahead, digests[j], q_j, positions, bt, block_size=block_size,
-                                            window=windows[j])
+                                            window=windows[j], inv_freq=unrope)
                         io_callback(functools.partial(host.speculate, j), None, guess, ordered=False)
             slot_table = p2s[layer][bt]
             q, k, v = model.layer_qkv(layer, h, positions)
             k_slots, v_slots = write_pages(k_slots, v_slots, layer, k, v, positions, slot_table, ends)
-            digests = D.update(kind, digests, k_slots, layer, positions, slot_table, ends, digest_tables=bt)
+            digests = D.update(kind, digests, k_slots, layer, positions, slot_table, ends, digest_tables=bt,
+                               unrope=unrope)
             sel = select_step(sp, digests[layer], q, positions, bt, block_size=block_size, window=windows[layer],
-                              lengths=ends)
+                              lengths=ends, inv_freq=unrope)
             phys = jnp.where(sel >= 0, jnp.take_along_axis(bt[:, None, :], jnp.maximum(sel, 0), axis=2), 0)
 
             def missing(p2s, phys=phys, layer=layer):

@@ -84,35 +84,40 @@ def _logits(graphdef, params, h, select):
 
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("sp", "block_size"))
-def _lookahead(graphdef, params, layer, h, positions, digests, page_table, window, *, sp, block_size):
+def _lookahead(graphdef, params, layer, h, positions, digests, page_table, window, unrope=None, *, sp, block_size):
     """Layer `layer`'s selection predicted from an earlier layer's input `h` (its q projection of
     `h` instead of its own input): what the prefetcher should bring before `layer` runs."""
     q, _, _ = nnx.merge(graphdef, params).layer_qkv(layer, h, positions)
-    return select_step(sp, digests[layer], q, positions, page_table, block_size=block_size, window=window)
+    return select_step(sp, digests[layer], q, positions, page_table, block_size=block_size, window=window,
+                       inv_freq=unrope)
 
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("sp", "block_size"))
-def _lookahead_next(graphdef, params, logits, positions, digests, page_table, window, *, sp, block_size):
+def _lookahead_next(graphdef, params, logits, positions, digests, page_table, window, unrope=None, *, sp,
+                    block_size):
     """The next step's layer-0 selection, guessed from the embedding of this step's argmax token."""
     model = nnx.merge(graphdef, params)
     h = model.embed_tokens(jnp.argmax(logits, axis=-1).astype(jnp.int32)[:, None])
     q, _, _ = model.layer_qkv(0, h, positions)
-    return select_step(sp, digests[0], q, positions, page_table, block_size=block_size, window=window)
+    return select_step(sp, digests[0], q, positions, page_table, block_size=block_size, window=window,
+                       inv_freq=unrope)
 
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("kind", "sp", "block_size"), donate_argnums=(1, 2, 3))
 def _front(graphdef, k_slots, v_slots, digests, params, layer, h, positions, slot_table, page_table, lengths, window,
-           *, kind, sp, block_size):
+           unrope=None, *, kind, sp, block_size):
     """A layer's first half in one call: q/k/v, the new K/V into their slots, digests refreshed, and
-    (sp not None) the pages the queries select. One dispatch instead of three per layer."""
+    (sp not None) the pages the queries select. One dispatch instead of three per layer. `unrope`:
+    the rope's inv_freq when `sparse.score_distance` digests keys before rope."""
     q, k, v = nnx.merge(graphdef, params).layer_qkv(layer, h, positions)
     k_slots, v_slots = write_pages(k_slots, v_slots, layer, k, v, positions, slot_table, lengths)
     if kind is not None:
-        digests = D.update(kind, digests, k_slots, layer, positions, slot_table, lengths, digest_tables=page_table)
+        digests = D.update(kind, digests, k_slots, layer, positions, slot_table, lengths, digest_tables=page_table,
+                           unrope=unrope)
     selected = None
     if sp is not None:
         selected = select_step(sp, digests[layer], q, positions, page_table, block_size=block_size, window=window,
-                               lengths=lengths)
+                               lengths=lengths, inv_freq=unrope)
     return q, k_slots, v_slots, digests, selected
 
 
@@ -392,6 +397,9 @@ class TieredRunner(_PrefillRunner):
         self.ids = [next(eng._seq_ids) for _ in range(B)]
         self.window = eng.model_cfg.max_window
         self.inv_freq = jnp.asarray(L.inv_frequencies(eng.model_cfg.rope, eng.model_cfg.head_dim))
+        sp = eng.config.sparse
+        # sparse.score_distance: digests of keys before rope, queries turned to that distance.
+        self.unrope = self.inv_freq if sp.enabled and sp.score_distance > 0 else None
         self.fused = FusedDecode(self)
 
     # ---- the engine's runner interface (prefill / prefill_more: _PrefillRunner) ---------------
@@ -494,7 +502,7 @@ class TieredRunner(_PrefillRunner):
             # exists in this step). Dispatched now, read after this layer attends.
             targets = range(1, depth + 1) if layer == 0 else (layer + depth,)
             ahead = {j: _lookahead(e.graphdef, e.params, t.layer_ids[j], h, pos_d, t.digests, bt_d, t.windows[j],
-                                   sp=sp_ahead, block_size=S)
+                                   self.unrope, sp=sp_ahead, block_size=S)
                      for j in targets if ahead_on and sp.dense_layers <= j < L}
             # The pages written here: fresh ones need no fetch; a continued partial page is pinned.
             try:
@@ -508,7 +516,7 @@ class TieredRunner(_PrefillRunner):
             sparse_here = sp.enabled and layer >= sp.dense_layers and (T == 1 or sp.sparse_prefill)
             q, t.k, t.v, t.digests, sel_d = _front(
                 e.graphdef, t.k, t.v, t.digests, e.params, lyr, h, pos_d, slot_table, bt_d, ends_d, t.windows[layer],
-                kind=sp.digest if sp.enabled else None, sp=sp if sparse_here else None, block_size=S)
+                self.unrope, kind=sp.digest if sp.enabled else None, sp=sp if sparse_here else None, block_size=S)
             t.put_below(layer, fill_pages_ids)
             # Which pages the queries read.
             shift = None
@@ -554,7 +562,7 @@ class TieredRunner(_PrefillRunner):
         sp = e.config.sparse
         sp_ahead = dataclasses.replace(sp, budget=sp.budget * t.tc.lookahead)
         nxt = _lookahead_next(e.graphdef, e.params, logits, pos_d + 1, t.digests, bt_d, t.windows[0],
-                              sp=sp_ahead, block_size=t.S)
+                              self.unrope, sp=sp_ahead, block_size=t.S)
         t.predictor.speculate(0, bt, np.asarray(nxt), np.asarray(ends) + 1)
 
     def _count_prefetch(self, before: dict) -> None:
