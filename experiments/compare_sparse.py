@@ -22,7 +22,8 @@ VARIANTS = [
     ("sparse 1K", ["needle_sparse_1k"], "bpb_sparse_1k"),
     ("sparse 2K", ["needle_sparse_2k"], "bpb_sparse_2k"),
     ("compact 1K", ["needle_compact_1k"], None),
-    ("compact 2K", ["needle_compact_2k"], "bpb_compact_2k"),
+    ("compact 2K", ["needle_compact_2k_8k_100_alone", "needle_compact_2k_32k_50_alone", "needle_compact_2k"],
+     "bpb_compact_2k"),
 ]
 GOAL_POINTS = 2.0  # needle: sparse within 2 points of dense
 GOAL_BPB = 0.02  # bits per byte: sparse within 2 % of dense
