@@ -120,6 +120,9 @@ def test_selection_is_exact_top_k():
     (dict(enabled=True, digest="pca"), "sparse.digest"),
     (dict(enabled=True, budget=100_000), "top-k"),
     (dict(enabled=True, group_reduce="sum"), "group_reduce"),
+    (dict(enabled=True, score_distance=64), "needs sparse.positions='compact'"),
+    (dict(enabled=True, positions="compact", score_distance=-1), "score_distance"),
+    (dict(enabled=True, last_token_alone="yes"), "last_token_alone"),
 ])
 def test_bad_sparse_config(sparse, match):
     with pytest.raises(ConfigError, match=match):
