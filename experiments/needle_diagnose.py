@@ -107,12 +107,12 @@ def main(argv=None) -> int:
                  for t in range(a.trials)]
         for i, L, j, d, t in tqdm(cells, desc="needle diagnosis", unit="trial"):
             ex = tasks.needle_example(held, L, d, np.random.default_rng([a.seed, i, j, t]))
+            pages = needle_pages(ex, a.block_size)
             forced.clear()
-            forced.update(needle_pages(ex, a.block_size))
+            forced.update(pages)
             log.clear()
             out = eng.generate(list(map(int, ex.prompt)), params)
             text = bytes(x for x in out.tokens if x < 256).decode("utf-8", "replace")
-            pages = needle_pages(ex, a.block_size)
             # Answer steps: the prompt's last call (its last query gives the first answer digit), then decode.
             steps = [r for r in log if not r["decode"]][-cfg.num_layers:] + [r for r in log if r["decode"]]
             # hit[s, layer, head]: the selection of answer step s held a needle page

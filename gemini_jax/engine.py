@@ -299,7 +299,8 @@ class Engine:
         chunk = self.config.prefill_chunk
         bounds = [(s, min(s + chunk, len(toks))) for s in range(start, len(toks), chunk)]
         sp = self.config.sparse
-        if sp.enabled and sp.sparse_prefill and sp.last_token_alone and bounds and bounds[-1][1] - bounds[-1][0] > 1:
+        alone = sp.enabled and sp.sparse_prefill and sp.last_token_alone
+        if alone and bounds and bounds[-1][1] - bounds[-1][0] > 1:
             # The last token's logits give the first generated token: it selects pages for itself
             # rather than sharing the selection of a whole chunk's queries.
             s, e = bounds.pop()

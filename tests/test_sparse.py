@@ -301,9 +301,9 @@ def test_score_distance_digests_hold_unroped_keys_and_bound_scores_at_that_dista
     q_turned = L.rotate(jnp.asarray(q), cos[:, :, None], sin[:, :, None])
     bound = np.asarray(page_scores("minmax", q_turned, jnp.asarray(dig[0][:, table[0]])[None], sp.group_reduce))[0]
     G = cfg.num_heads // cfg.num_kv_heads
+    cq, sq_ = L.rope_angles(jnp.asarray([[p]]), inv)
+    q_roped = np.asarray(L.rotate(jnp.asarray(q), cq[:, :, None], sq_[:, :, None]))[0, 0]  # [H, D]
     for i, keys in enumerate(raw):
-        cq, sq_ = L.rope_angles(jnp.asarray([[p]]), inv)
-        q_roped = np.asarray(L.rotate(jnp.asarray(q), cq[:, :, None], sq_[:, :, None]))[0, 0]  # [H, D]
         ck, sk = L.rope_angles(jnp.full((1, keys.shape[2]), p - d), inv)
         k_at = np.asarray(L.rotate(jnp.asarray(keys[0]), ck, sk))  # [K, count, D] roped at p - d
         for h in range(cfg.num_kv_heads):
@@ -314,7 +314,7 @@ def test_score_distance_digests_hold_unroped_keys_and_bound_scores_at_that_dista
                                  block_size=8, lengths=jnp.asarray([p + 1]), inv_freq=inv))[0]
     W = len(raw)
     for h in range(cfg.num_kv_heads):
-        free = [w for w in range(1, W - 2)]  # not sink (0), not local (last two)
+        free = range(1, W - 2)  # not sink (0), not local (last two)
         best = max(free, key=lambda w: bound[h, w])
         assert best in sel[h].tolist(), h
     runner.close()

@@ -70,6 +70,8 @@ def scoring_queries(q, q_pos, lengths, score_queries: int):
     Rows with fewer real queries than m repeat their first one (harmless under the max over queries).
     """
     T = q.shape[1]
+    if T == 1:  # a decode step: its one query is real
+        return q, q_pos
     m = score_queries if 0 < score_queries < T else T
     if lengths is None:
         return q[:, T - m:], q_pos[:, T - m:]
