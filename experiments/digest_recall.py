@@ -37,6 +37,8 @@ def main(argv=None) -> int:
     p.add_argument("--block-sizes", default="8,16,32,64")
     p.add_argument("--budget", type=int, default=512, help="tokens selected beyond sink + local")
     p.add_argument("--queries", type=int, default=16, help="last positions of each window scored")
+    p.add_argument("--rerank", type=int, default=2,
+                   help="also report each kind reranked: n*k digest candidates, exact q.k picks k (0 = off)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     a = p.parse_args(argv)
@@ -52,7 +54,8 @@ def main(argv=None) -> int:
             rng = np.random.default_rng([a.seed, T, w])
             toks = np.concatenate([[ByteTokenizer.BOS], tasks.text_window(held, T - 1, rng)]).astype(np.int32)
             for bs in blocks:
-                r = digest_recall(model, toks, block_size=bs, k_pages=a.budget // bs, queries=a.queries)
+                r = digest_recall(model, toks, block_size=bs, k_pages=a.budget // bs, queries=a.queries,
+                                  rerank=a.rerank)
                 records.append({"context": T, "window": w, "block_size": bs, "k_pages": a.budget // bs,
                                 **{k: float(np.mean(v)) for k, v in r.items()}})
                 bar.update(1)
@@ -64,7 +67,8 @@ def main(argv=None) -> int:
              f"({time.time() - t0:.0f} s). Recall = |digest top-k ∩ exact-attention top-k| / k over the last "
              f"{a.queries} positions of each window, every layer and kv head; k = {a.budget} tokens / block "
              f"size; sink (1) and local (2) pages excluded on both sides; {a.windows} windows per context; "
-             f"mean (min–max over windows).", "",
+             f"mean (min–max over windows). *kind+rerankN*: the kind's top N·k pages, of which the k with the "
+             f"largest exact q·k (`sparse.rerank=N`).", "",
              "| context | block | k pages | " + " | ".join(kinds) + " |", "|---" * (3 + len(kinds)) + "|"]
     for T in contexts:
         for bs in blocks:

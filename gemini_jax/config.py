@@ -217,6 +217,11 @@ class SparseConfig:
     tokens before the query, from digests of the keys before rope. Compact positions attend to a
     page at its re-positioned distance (within the budget), so scoring it at its true distance, far
     beyond what a short-context model was trained on, misjudges it.
+    `rerank` (0 = off; n >= 2): two-stage selection. The digests pick n times as many candidate
+    pages as the budget holds; the keys of the candidates are read and their exact scores (the
+    largest q.k over the page's keys, the same queries, heads and distance as the digest scores)
+    pick the pages to attend. Digest bounds are loose; exact scores are not, at the price of reading
+    the candidates' keys (counted in `kv_bytes_read`). Paged cache only (not over tiers).
     """
 
     enabled: bool = False
@@ -232,6 +237,7 @@ class SparseConfig:
     score_queries: int = 0
     last_token_alone: bool = True
     score_distance: int = 0
+    rerank: int = 0
 
     def __post_init__(self):
         _require(self.positions in ("true", "compact"),
@@ -243,6 +249,9 @@ class SparseConfig:
         _require(self.score_distance == 0 or self.positions == "compact",
                  f"sparse.score_distance={self.score_distance} scores pages at the distance compact positions "
                  f"put them; it needs sparse.positions='compact' (got {self.positions!r}).")
+        _require(_is_int(self.rerank) and (self.rerank == 0 or self.rerank >= 2),
+                 f"sparse.rerank={self.rerank!r} must be 0 (off) or an integer >= 2 (candidate pages per "
+                 f"selected page).")
         _require(isinstance(self.last_token_alone, bool),
                  f"sparse.last_token_alone={self.last_token_alone!r} must be true or false.")
         _require(self.digest in DIGEST_KINDS, f"sparse.digest={self.digest!r} must be one of {DIGEST_KINDS}.")
@@ -427,6 +436,9 @@ class EngineConfig:
             _require(self.attention_impl == "xla",
                      f"tier.enabled runs attention layer by layer on the XLA path; set attention_impl='xla' "
                      f"(got {self.attention_impl!r}).")
+            _require(not (sp.enabled and sp.rerank),
+                     f"sparse.rerank={sp.rerank} reads the keys of candidate pages before it selects; over "
+                     f"tiers those pages may not be on device. Set sparse.rerank=0 or tier.enabled=false.")
             _require(t.pin_local_pages >= 1,
                      f"tier.pin_local_pages={t.pin_local_pages}: the engine keeps each sequence's partial last "
                      f"page on device (it is not stored below until full); it must be >= 1.")

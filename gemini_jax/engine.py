@@ -376,7 +376,8 @@ class _PagedRunner(_PrefillRunner):
         e = self.eng
         width = _call_width(e, ids, tokens.shape[1])
         cache = PagedKV(e.k_pool, e.v_pool, jnp.asarray(e.kv.block_tables(ids, width)),
-                        jnp.asarray(lengths, jnp.int32), e.digests, jnp.zeros((), jnp.int32))
+                        jnp.asarray(lengths, jnp.int32), e.digests, jnp.zeros((), jnp.int32),
+                        jnp.zeros((), jnp.int32))
         tokens, positions = jnp.asarray(tokens), jnp.asarray(positions)
         if e.mesh is not None:  # the batch goes over the mesh's data axis (when it divides)
             from gemini_jax.distributed import batch_sharding
@@ -385,7 +386,8 @@ class _PagedRunner(_PrefillRunner):
             tokens, positions = jax.device_put(tokens, sh), jax.device_put(positions, sh)
         logits, cache = e._step(e.params, cache, tokens, positions, jnp.asarray(select, jnp.int32))
         e.k_pool, e.v_pool, e.digests = cache.k, cache.v, cache.digests
-        return logits, width, cache.page_reads  # a device scalar: read (synced) by decode only
+        # Device scalars, read (synced) by decode only.
+        return logits, width, (cache.page_reads, cache.key_reads)
 
     def _prefill_from(self, sid, toks, start):
         e = self.eng
@@ -404,15 +406,16 @@ class _PagedRunner(_PrefillRunner):
         e = self.eng
         for sid, n in zip(self.ids, lengths):
             e.kv.reserve(sid, int(n) + 1)
-        logits, width, page_reads = self._call(self.ids, nxt[:, None], lengths[:, None], lengths + 1,
-                                               np.zeros(len(self.ids)))
-        page_reads = int(page_reads)
+        logits, width, (page_reads, key_reads) = self._call(self.ids, nxt[:, None], lengths[:, None], lengths + 1,
+                                                            np.zeros(len(self.ids)))
+        page_reads, key_reads = int(page_reads), int(key_reads)
         for sid, t in zip(self.ids, nxt):
             e.kv.commit(sid, [int(t)])
             e.kv.drop_outside_window(sid, self.window)
         cfg, S = e.model_cfg, e.config.cache.block_size
-        # page_reads counts (page, kv head) pairs the attention read, over all layers.
-        self.stats["kv_bytes_read"] += page_reads * 2 * S * cfg.head_dim * e.cache_dtype.itemsize
+        # page_reads counts (page, kv head) pairs the attention read (K and V), over all layers;
+        # key_reads the pairs whose keys alone were read to rerank candidates.
+        self.stats["kv_bytes_read"] += (2 * page_reads + key_reads) * S * cfg.head_dim * e.cache_dtype.itemsize
         sp = e.config.sparse
         if sp.enabled:
             self.stats["pages_selected"] += page_reads

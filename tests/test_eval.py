@@ -81,5 +81,8 @@ def test_digest_recall_is_exact_for_single_token_pages():
     toks = [int(x) for x in rng.integers(0, cfg.vocab_size, 120)]
     exact = digest_recall(model, toks, block_size=1, k_pages=8, queries=3, sink_pages=1, local_pages=1)
     assert exact == {"minmax": 1.0, "mean": 1.0}
+    # Reranking by the exact largest q.k of a one-key page is the logit ranking too.
+    reranked = digest_recall(model, toks, block_size=1, k_pages=8, queries=3, sink_pages=1, local_pages=1, rerank=2)
+    assert reranked == {"minmax": 1.0, "mean": 1.0, "minmax+rerank2": 1.0, "mean+rerank2": 1.0}
     coarse = digest_recall(model, toks, block_size=8, k_pages=3, queries=3)
     assert all(0.0 <= v <= 1.0 for v in coarse.values())

@@ -318,3 +318,106 @@ def test_score_distance_digests_hold_unroped_keys_and_bound_scores_at_that_dista
         best = max(free, key=lambda w: bound[h, w])
         assert best in sel[h].tolist(), h
     runner.close()
+
+
+def _brute_rerank(scores, keys, q, lengths, first, last, *, S, k, factor, sink, local):
+    """Reference two-stage selection in numpy: the digest scores' candidates (forced pages + the
+    best others, factor x k in all), then their exact max q.k (over the queries, the group's heads
+    and the page's real keys) picks k."""
+    B, K, W = scores.shape
+    G = q.shape[2] // K
+    out = np.full((B, K, k), -1, np.int64)
+    for b in range(B):
+        valid = list(range(last[b] // S + 1))
+        forced = [w for w in valid if w < sink or w >= first[b] // S - local + 1]
+        for h in range(K):
+            rest = sorted((w for w in valid if w not in forced), key=lambda w: -scores[b, h, w])
+            cand = forced + rest[:min(factor * k, W) - len(forced)]
+            exact = {}
+            for w in cand:
+                n = min(S, lengths[b] - w * S)
+                logits = np.einsum("tgd,sd->tgs", q[b][:, h * G:(h + 1) * G], keys[b, h, w, :n])
+                exact[w] = logits.max()
+            others = sorted((w for w in cand if w not in forced), key=lambda w: -exact[w])
+            sel = sorted(forced + others[:k - len(forced)])
+            out[b, h, :len(sel)] = sel
+    return out
+
+
+@pytest.mark.parametrize("distance", [0, 24])
+def test_rerank_picks_exact_top_k_among_digest_candidates(distance):
+    """select_step with rerank == brute force: digest candidates, then exact scores over their keys
+    (with score_distance: un-roped keys meet queries turned to that distance)."""
+    from gemini_jax.attention.digests import page_digest
+    from gemini_jax.attention.select import select_step
+    from gemini_jax.model import layers as L
+
+    rng = np.random.default_rng()
+    B, K, G, D, S, W, m = 2, 2, 2, 16, 8, 24, 3
+    P = B * W + 1
+    inv = L.inv_frequencies(gj.RopeConfig(theta=10000.0), D)
+    lengths = rng.integers(10 * S, W * S, B)
+    tables = rng.permutation(np.arange(1, P))[:B * W].reshape(B, W).astype(np.int32)
+    raw = rng.normal(size=(B, K, W, S, D)).astype(np.float32)  # keys before rope, logical order
+    pos = np.arange(W * S).reshape(W, S)
+    cos, sin = L.rope_angles(jnp.asarray(pos), inv)
+    roped = np.asarray(L.rotate(jnp.asarray(raw), cos, sin))
+    pool = rng.normal(size=(K, P, S, D)).astype(np.float32) * 50  # pages no table holds: noise
+    for b in range(B):
+        pool[:, tables[b]] = roped[b]
+    held = raw if distance else roped  # what the digests bound
+    dig = np.zeros((K, P, 2, D), np.float32)
+    for b in range(B):
+        for h in range(K):
+            for w in range(W):
+                n = int(np.clip(lengths[b] - w * S, 0, S))
+                if n:
+                    dig[h, tables[b, w]] = np.asarray(page_digest("minmax", jnp.asarray(held[b, h, w:w + 1]),
+                                                                  jnp.asarray([n])))[0]
+    q_pos = (lengths - m)[:, None] + np.arange(m)
+    q = rng.normal(size=(B, m, K * G, D)).astype(np.float32)
+    sp = gj.config.SparseConfig(enabled=True, budget=6 * S, sink_pages=1, local_pages=2, rerank=2, score_queries=0,
+                         positions="compact" if distance else "true", score_distance=distance)
+    got = select_step(sp, jnp.asarray(dig), jnp.asarray(q), jnp.asarray(q_pos), jnp.asarray(tables),
+                      block_size=S, lengths=jnp.asarray(lengths), inv_freq=inv, k_layer=jnp.asarray(pool))
+    # The reference scores with what select_step's queries meet: turned by -(p - d) against
+    # un-roped keys, or as they are against the roped keys.
+    if distance:
+        c, s = L.rope_angles(jnp.asarray(-(q_pos - distance)), inv)
+        q_ref = np.asarray(L.rotate(jnp.asarray(q), c[:, :, None], s[:, :, None]))
+    else:
+        q_ref = q
+    qp = np.concatenate([np.minimum(q_ref, 0), np.maximum(q_ref, 0)], -1).reshape(B, m, K, G, 2 * D)
+    bounds = np.einsum("btkgd,kbwd->bkgtw", qp, dig[:, tables].reshape(K, B, W, 2 * D)).max(axis=(2, 3))
+    # k: 6 budget pages + the call's own (a 3-query call: T // S + 1 = 1 more).
+    want = _brute_rerank(bounds, held, q_ref, lengths, q_pos[:, 0], q_pos[:, -1], S=S, k=7, factor=2, sink=1, local=2)
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_rerank_counts_the_candidates_keys_and_covers_dense_at_full_budget():
+    rng = np.random.default_rng()
+    cfg = tiny_config("llama")
+    model = random_model(cfg, int(rng.integers(1000)))
+    prompts = random_prompts(rng, cfg.vocab_size, (60, 101))
+    params = gj.SamplingParams(max_new_tokens=6, stop_at_eos=False)
+    dense = _engine(model).generate(prompts, params, return_logits=True)
+    full = _engine(model, dict(enabled=True, budget=160, rerank=3, sparse_prefill=True)).generate(
+        prompts, params, return_logits=True)
+    assert full.tokens == dense.tokens
+    for a, b in zip(full.logits, dense.logits):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+    small = dict(enabled=True, budget=32, sink_pages=1, local_pages=2)  # 4 pages of 8 tokens
+    plain = _engine(model, small).generate(prompts, params)
+    rr = _engine(model, dict(small, rerank=2)).generate(prompts, params)
+    # Both contexts hold >= 8 pages at every step: 8 candidates' keys read on top of 4 pages' K and V.
+    assert rr.stats["pages_selected"] == plain.stats["pages_selected"]
+    assert rr.stats["kv_bytes_read"] == 2 * plain.stats["kv_bytes_read"]
+
+
+@pytest.mark.parametrize("extra,match", [
+    (dict(sparse=dict(enabled=True, budget=256, rerank=1)), "sparse.rerank"),
+    (dict(sparse=dict(enabled=True, budget=256, rerank=2), tier=dict(enabled=True)), "sparse.rerank"),
+])
+def test_bad_rerank_config(extra, match):
+    with pytest.raises(ConfigError, match=match):
+        gj.config.from_dict(gj.EngineConfig, dict(max_seq_len=1024, max_batch=1, **extra))

@@ -7,6 +7,8 @@ the format `pallas_kernels.sparse_decode` takes.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -80,15 +82,41 @@ def scoring_queries(q, q_pos, lengths, score_queries: int):
     return jnp.take_along_axis(q, idx[:, :, None, None], axis=1), jnp.take_along_axis(q_pos, idx, axis=1)
 
 
+def exact_page_scores(q, k_layer, block_tables, lengths, pages, *, group_reduce: str, unrope=None):
+    """The largest q.k over each listed page's real keys: q [B, m, H, D] (the scoring queries),
+    k_layer [K, P, S, D] (one layer's key pool), pages i32[B, K, n] logical (-1: none)
+    -> f32[B, K, n] (-inf for -1). Reduced like `page_scores`: max over the queries, then over
+    the group's heads by `group_reduce`. With `unrope` (the rope's inv_freq) keys are turned back
+    to position 0 first, to meet queries already turned for `score_distance`."""
+    B, m, H, D = q.shape
+    K, _, S, _ = k_layer.shape
+    logical = jnp.maximum(pages, 0)
+    phys = jnp.take_along_axis(block_tables[:, None, :], logical, axis=2)  # [B, K, n]
+    kk = k_layer[jnp.arange(K)[None, :, None], phys].astype(jnp.float32)  # [B, K, n, S, D]
+    k_pos = logical[..., None] * S + jnp.arange(S)  # [B, K, n, S]
+    if unrope is not None:
+        cos, sin = rope_angles(-k_pos, unrope)
+        kk = rotate(kk, cos, sin)
+    qg = q.reshape(B, m, K, H // K, D).astype(jnp.float32)
+    s = jnp.einsum("btkgd,bknsd->bkgtns", qg, kk, preferred_element_type=jnp.float32)
+    real = (pages >= 0)[..., None] & (k_pos < lengths[:, None, None, None])  # [B, K, n, S]
+    s = jnp.where(real[:, :, None, None], s, NEG)
+    s = jnp.max(s, axis=(3, 5))  # over the queries and the page's keys -> [B, K, G, n]
+    return jnp.max(s, axis=2) if group_reduce == "max" else jnp.mean(s, axis=2)
+
+
 def select_step(sp, digests_layer, q, q_pos, block_tables, *, block_size: int, window=0, lengths=None,
-                inv_freq=None):
+                inv_freq=None, k_layer=None, with_candidates: bool = False):
     """The pages a call's queries read under `SparseConfig` sp: digests_layer [K, P, R, D] (one
     layer, indexed by page id), q [B, T, H, D], q_pos [B, T], block_tables i32[B, W] (page ids),
     lengths i32[B] (end of each row's real tokens: padding queries do not score)
     -> i32[B, K, k] logical pages. A prefill chunk's own pages come on top of the budget.
 
     With `sp.score_distance` > 0 the digests hold keys before rope and `inv_freq` (the rope's)
-    turns each query to score every page as if it sat that many tokens before the query."""
+    turns each query to score every page as if it sat that many tokens before the query.
+    With `sp.rerank` the digests choose `rerank` x k candidates and their keys, read from
+    `k_layer` [K, P, S, D], choose the k (`with_candidates`: also return the candidates, whose
+    keys were read)."""
     T = q.shape[1]
     dig = digests_layer[:, block_tables]  # [K, B, W, R, D]
     q_score, pos_score = scoring_queries(q, q_pos, lengths, sp.score_queries)
@@ -98,8 +126,23 @@ def select_step(sp, digests_layer, q, q_pos, block_tables, *, block_size: int, w
         q_score = rotate(q_score.astype(jnp.float32), cos[:, :, None], sin[:, :, None])
     scores = page_scores(sp.digest, q_score, jnp.swapaxes(dig, 0, 1), sp.group_reduce)
     k = sp.budget // block_size + (0 if T == 1 else T // block_size + 1)
-    return select_pages(scores, q_pos[:, 0], q_pos[:, -1], block_size=block_size, k=k,
-                        sink_pages=sp.sink_pages, local_pages=sp.local_pages, window=window)
+    pick = functools.partial(select_pages, first_pos=q_pos[:, 0], last_pos=q_pos[:, -1], block_size=block_size,
+                             sink_pages=sp.sink_pages, local_pages=sp.local_pages, window=window)
+    if not sp.rerank:
+        selected = pick(scores, k=k)
+        return (selected, selected) if with_candidates else selected
+    if k_layer is None:
+        raise ValueError("sparse.rerank needs the layer's key pool (k_layer)")
+    cand = pick(scores, k=k * sp.rerank)  # forced pages (score inf) are always among them
+    exact = exact_page_scores(q_score, k_layer, block_tables, lengths, cand, group_reduce=sp.group_reduce,
+                              unrope=inv_freq if sp.score_distance > 0 else None)
+    # Back to [B, K, W]: pages that are not candidates can no longer be chosen.
+    B, K, W = scores.shape
+    at = jnp.where(cand >= 0, cand, W)  # W is out of range -> dropped
+    full = jnp.full((B, K, W), NEG, jnp.float32)
+    full = full.at[jnp.arange(B)[:, None, None], jnp.arange(K)[None, :, None], at].set(exact, mode="drop")
+    selected = pick(full, k=k)
+    return (selected, cand) if with_candidates else selected
 
 
 def compact_shift(selected, block_size: int):

@@ -29,6 +29,7 @@ class PagedKV(NamedTuple):
     lengths: jax.Array  # i32[B]: valid tokens per sequence once this call's tokens are written
     digests: Optional[jax.Array] = None  # [layers, kv_heads, num_pages, R, head_dim] (sparse only)
     page_reads: Optional[jax.Array] = None  # i32[]: (page, kv head) pairs attention read, all layers
+    key_reads: Optional[jax.Array] = None  # i32[]: (page, kv head) pairs whose keys alone were read (rerank)
 
     @staticmethod
     def create_pool(cfg: ModelConfig, num_pages: int, block_size: int, dtype):
@@ -88,22 +89,25 @@ def paged_backend(cfg: ModelConfig, impl: str = "xla", sparse: SparseConfig | No
         T = q.shape[1]
         if sp is not None and (T == 1 or sp.sparse_prefill):
             if sp.dense_layers > 0:
-                out, reads = jax.lax.cond(layer < sp.dense_layers,
-                                          lambda: dense(layer, q, q_pos, window, cache),
-                                          lambda: sparse_step(layer, q, q_pos, window, cache))
+                out, reads, key_reads = jax.lax.cond(layer < sp.dense_layers,
+                                                     lambda: dense(layer, q, q_pos, window, cache),
+                                                     lambda: sparse_step(layer, q, q_pos, window, cache))
             else:
-                out, reads = sparse_step(layer, q, q_pos, window, cache)
+                out, reads, key_reads = sparse_step(layer, q, q_pos, window, cache)
         else:
-            out, reads = dense(layer, q, q_pos, window, cache)
+            out, reads, key_reads = dense(layer, q, q_pos, window, cache)
         if cache.page_reads is not None:
             cache = cache._replace(page_reads=cache.page_reads + reads)
+        if cache.key_reads is not None:
+            cache = cache._replace(key_reads=cache.key_reads + key_reads)
         return out, cache
 
     def dense(layer, q, q_pos, window, cache):
         B, W = cache.block_tables.shape
         reads = jnp.int32(B * W * cfg.num_kv_heads)  # the gather path reads the whole table
+        none = jnp.int32(0)
         if impl == "pallas" and q.shape[1] == 1:
-            return _pallas_decode(q, cache.k[layer], cache.v[layer], cache, window), reads
+            return _pallas_decode(q, cache.k[layer], cache.v[layer], cache, window), reads, none
         kk = gather_pages(cache.k[layer], cache.block_tables)
         vv = gather_pages(cache.v[layer], cache.block_tables)
         k_pos = jnp.broadcast_to(jnp.arange(kk.shape[1], dtype=jnp.int32), kk.shape[:2])
@@ -111,14 +115,16 @@ def paged_backend(cfg: ModelConfig, impl: str = "xla", sparse: SparseConfig | No
         mask = L.attention_mask(q_pos, k_pos, valid, window)
         out = L.dense_attention(q, kk.astype(q.dtype), vv.astype(q.dtype), mask,
                                 scale=cfg.scale, cap=cfg.attn_softcap)
-        return out, reads
+        return out, reads, none
 
     def sparse_step(layer, q, q_pos, window, cache):
         T = q.shape[1]
-        selected = select_step(sp, cache.digests[layer], q, q_pos, cache.block_tables,
-                               block_size=cache.k.shape[3], window=window, lengths=cache.lengths,
-                               inv_freq=inv_freq)
+        selected, candidates = select_step(sp, cache.digests[layer], q, q_pos, cache.block_tables,
+                                           block_size=cache.k.shape[3], window=window, lengths=cache.lengths,
+                                           inv_freq=inv_freq, k_layer=cache.k[layer], with_candidates=True)
         reads = jnp.sum(selected >= 0).astype(jnp.int32)
+        # Reranking read every candidate's keys (the chosen pages' keys are read again to attend).
+        key_reads = jnp.sum(candidates >= 0).astype(jnp.int32) if sp.rerank else jnp.int32(0)
         if compact:  # the kernel keeps true positions: re-positioned keys take the XLA path
             out = sparse_attention(q, q_pos, cache.k[layer], cache.v[layer], cache.block_tables, cache.lengths,
                                    selected, scale=cfg.scale, cap=cfg.attn_softcap, window=window,
@@ -129,7 +135,7 @@ def paged_backend(cfg: ModelConfig, impl: str = "xla", sparse: SparseConfig | No
             out = sparse_attention(q, q_pos, cache.k[layer], cache.v[layer], cache.block_tables,
                                    cache.lengths, selected, scale=cfg.scale, cap=cfg.attn_softcap,
                                    window=window)
-        return out, reads
+        return out, reads, key_reads
 
     def _by_window(window, make):
         """Kernels take the window statically; layers differ (Gemma), so switch on it."""

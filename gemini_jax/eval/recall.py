@@ -43,14 +43,20 @@ def record_qk(model, tokens):
 
 
 def digest_recall(model, tokens, *, block_size: int, k_pages: int, kinds=("minmax", "mean"),
-                  queries: int = 16, sink_pages: int = 1, local_pages: int = 2, group_reduce: str = "max") -> dict:
-    """Mean recall per digest kind over the last `queries` positions, all layers and kv heads."""
+                  queries: int = 16, sink_pages: int = 1, local_pages: int = 2, group_reduce: str = "max",
+                  rerank: int = 0) -> dict:
+    """Mean recall per digest kind over the last `queries` positions, all layers and kv heads.
+
+    With `rerank` >= 2 each kind also gets "<kind>+rerank<n>": the digest scores' top n*k
+    candidates, reranked by their exact largest q.k (as `SparseConfig.rerank` selects)."""
     cfg = model.cfg
     q_all, k_all = record_qk(model, tokens)
     T = len(tokens)
     G = cfg.num_heads // cfg.num_kv_heads
     S = block_size
     out = {kind: [] for kind in kinds}
+    if rerank:
+        out.update({f"{kind}+rerank{rerank}": [] for kind in kinds})
     for pos in range(T - queries, T):
         n_pages = pos // S + 1
         candidates = np.arange(sink_pages, max(sink_pages, n_pages - local_pages))
@@ -71,6 +77,11 @@ def digest_recall(model, tokens, *, block_size: int, k_pages: int, kinds=("minma
             padded[:pos + 1] = keys
             pages = padded.reshape(n_pages, S, cfg.num_kv_heads, -1).transpose(2, 0, 1, 3)  # [K, n, S, D]
             counts = np.minimum(S, np.maximum(0, pos + 1 - np.arange(n_pages) * S))
+            if rerank:  # exact page score: the largest q.k over the page's keys and the group's heads
+                qk = np.einsum("kgd,tkd->kt", qg, keys) if G == 1 else np.einsum("kgd,tkd->kgt", qg, keys).max(1)
+                exact = np.full((cfg.num_kv_heads, n_pages * S), -np.inf)
+                exact[:, :pos + 1] = qk
+                exact = exact.reshape(cfg.num_kv_heads, n_pages, S).max(-1)
             for kind in kinds:
                 dig = page_digest(kind, jnp.asarray(pages), jnp.broadcast_to(jnp.asarray(counts), pages.shape[:2]))
                 scores = np.asarray(page_scores(kind, jnp.asarray(q)[None, None], dig[None], group_reduce))[0]
@@ -78,4 +89,8 @@ def digest_recall(model, tokens, *, block_size: int, k_pages: int, kinds=("minma
                     true = set(candidates[np.argsort(-mass[h, candidates])[:k_pages]].tolist())
                     sel = set(candidates[np.argsort(-scores[h, candidates])[:k_pages]].tolist())
                     out[kind].append(len(true & sel) / k_pages)
+                    if rerank:
+                        cand = candidates[np.argsort(-scores[h, candidates])[:rerank * k_pages]]
+                        sel = set(cand[np.argsort(-exact[h, cand])[:k_pages]].tolist())
+                        out[f"{kind}+rerank{rerank}"].append(len(true & sel) / k_pages)
     return {kind: (float(np.mean(v)) if v else 1.0) for kind, v in out.items()}
