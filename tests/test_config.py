@@ -104,3 +104,18 @@ def test_sparse_presets(preset, enabled, digest):
         cfg = compose(config_name="config", overrides=[f"sparse={preset}", "engine.sparse.budget=1024"])
     sp = build(EngineConfig, cfg.engine).sparse
     assert (sp.enabled, sp.digest, sp.budget) == (enabled, digest, 1024)
+
+
+@pytest.mark.parametrize("preset,rerank,budget", [("extrapolate", 0, 1024), ("extrapolate_rerank", 2, 1536)])
+def test_extrapolate_presets(preset, rerank, budget):
+    register()
+    with initialize_config_dir(config_dir=CONF, version_base=None):
+        cfg = compose(config_name="config", overrides=["experiment=needle", f"sparse={preset}"])
+    sp = build(EngineConfig, cfg.engine).sparse
+    assert (sp.positions, sp.score_distance, sp.rerank, sp.budget) == ("compact", 512, rerank, budget)
+    # Reranking reads candidate keys before selecting: over tiers it is refused, naming the knob.
+    if rerank:
+        with initialize_config_dir(config_dir=CONF, version_base=None):
+            cfg = compose(config_name="config", overrides=["experiment=needle", f"sparse={preset}", "tier=host"])
+        with pytest.raises(gj.errors.ConfigError, match="sparse.rerank"):
+            build(EngineConfig, cfg.engine)
