@@ -24,6 +24,7 @@ VARIANTS = [
     ("compact 1K", ["needle_compact_1k"], None),
     ("compact 2K", ["needle_compact_2k_8k_100_alone", "needle_compact_2k_32k_50_alone", "needle_compact_2k"],
      "bpb_compact_2k"),
+    ("compact 1.5K rerank", ["needle_compact_1536_8k_100_rerank2", "needle_compact_1536_32k_50_rerank2"], None),
 ]
 GOAL_POINTS = 2.0  # needle: sparse within 2 points of dense
 GOAL_BPB = 0.02  # bits per byte: sparse within 2 % of dense
@@ -123,7 +124,9 @@ def main() -> int:
     lines = ["# Sparse vs dense attention, shipped tiny model, held-out stdlib text", "",
              "Built by `python experiments/compare_sparse.py` from the result files named in each column's source "
              "(each records its command and engine). *sparse N* = Quest-style minmax selection with an N-token budget "
-             "and true positions; *compact N* = the same with compact positions (the length-extrapolation option). "
+             "and true positions; *compact N* = the same with compact positions (the length-extrapolation option); "
+             "*compact 1.5K rerank* = the `sparse=extrapolate_rerank` preset (1536-token budget, pages scored at "
+             "distance 512, 2x candidates reranked by exact q.k over their keys; 10 depths x 10 / x 5 trials). "
              "Sparse runs use sparse prefill (the last 64 queries of each 1024-token chunk score pages) and sparse "
              "decode; dense runs read every page. Needle: exact match of a 5-digit key, 5 depths × 2 trials per "
              "length (dense 32K: 3 depths × 1 trial; trials in parentheses); sparse cells show the difference "

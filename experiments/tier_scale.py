@@ -48,6 +48,8 @@ def parse(argv=None):
     p.add_argument("--chunk", type=int, default=1024, help="prefill chunk")
     p.add_argument("--score-queries", type=int, default=64, help="queries of a prefill chunk that score pages")
     p.add_argument("--positions", default="compact", choices=["true", "compact"])
+    p.add_argument("--score-distance", type=int, default=0,
+                   help="compact positions: score pages as if this many tokens before the query (0 = off)")
     p.add_argument("--prefetch-depth", type=int, default=2)
     p.add_argument("--resident", action="store_true", help="also run all-resident and compare")
     p.add_argument("--random-model", action="store_true",
@@ -92,7 +94,8 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(a.seed)
     ex = tasks.needle_example(held, a.context, a.depth, rng)
     sp = SparseConfig(enabled=True, budget=a.budget, digest=a.digest, sink_pages=1, local_pages=2,
-                      sparse_prefill=True, score_queries=a.score_queries, positions=a.positions)
+                      sparse_prefill=True, score_queries=a.score_queries, positions=a.positions,
+                      score_distance=a.score_distance)
     max_len = a.context + tasks.KEY_DIGITS + 1
     base = dict(max_seq_len=max_len, max_batch=1, prefill_chunk=a.chunk,
                 cache=CacheConfig(block_size=a.block_size, prefix_caching=False), sparse=sp)
@@ -127,12 +130,13 @@ def _gib(n):
 
 def _markdown(r) -> str:
     a = r["args"]
+    scored = f", pages scored at distance {a['score_distance']}" if a.get("score_distance") else ""
     lines = [f"# {a['context']:,}-token context over tiers", "",
              f"Run {r['date']}, command `{r['command']}`. "
              f"{'A RANDOM-INIT model (machinery only; its answers mean nothing)' if a['random_model'] else 'The shipped tiny model'}; a needle at depth "
              f"{a['depth']} (token {r['needle_at']:,}) of held-out standard-library text; sparse prefill and "
              f"decode (budget {a['budget']} tokens, {a['digest']} digests, block {a['block_size']}, {a['positions']} "
-             f"positions, the last {a['score_queries']} queries of each {a['chunk']}-token chunk score pages); "
+             f"positions, the last {a['score_queries']} queries of each {a['chunk']}-token chunk score pages{scored}); "
              f"KV in all: {_gib(r['kv_bytes_total'])}.", "",
              "| run | answer | right | prefill | decode | peak RSS | KV on device | KV in host RAM | KV on disk | "
              "pages from host / disk | prefetch hit rate | stall |", "| --- " * 12 + "|"]
