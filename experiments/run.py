@@ -141,7 +141,9 @@ def run_needle(cfg, model, tok, desc):
     label = (f"{desc}; cache {e.cache.kind} bs={e.cache.block_size}; "
              + (f"sparse {e.sparse.digest} budget={e.sparse.budget}"
                 + (", sparse prefill" if e.sparse.sparse_prefill else "")
-                + (", compact positions" if e.sparse.positions == "compact" else "") if e.sparse.enabled else "dense"))
+                + (", compact positions" if e.sparse.positions == "compact" else "")
+                + (f", scored at distance {e.sparse.score_distance}" if e.sparse.score_distance else "")
+                + (f", rerank {e.sparse.rerank}" if e.sparse.rerank else "") if e.sparse.enabled else "dense"))
     out_dir = os.path.join(ROOT, cfg.results_dir)
     paths = write_needle(res, out_dir, ex.out_name, label, {"engine": OmegaConf.to_container(cfg.engine),
                                                             "model": desc})

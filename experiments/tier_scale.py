@@ -8,7 +8,7 @@ engine over tiers: device slots for --device-fraction of the pages, a bounded ho
 rest on disk (tensorstore zarr3 under --disk-path). The answer is decoded greedily. Reported:
 the answer and whether it is right, prefill / decode times, peak RSS, KV bytes per tier, the
 tier counters. With --resident the same prompt also runs all-resident (every page in the device
-pool) and the two answers are compared. Writes experiments/results/tier_scale_<context>.{json,md}.
+pool) and the two answers are compared. Writes experiments/results/tier_scale_<context>.{json,md} (or `--name`).
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ def parse(argv=None):
     p.add_argument("--resident", action="store_true", help="also run all-resident and compare")
     p.add_argument("--random-model", action="store_true",
                    help="a random-init model of the tiny shape (smoke test of the machinery; answers meaningless)")
+    p.add_argument("--name", default=None, help="output file stem (default tier_scale_<context>)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     return p.parse_args(argv)
@@ -115,7 +116,7 @@ def main(argv=None) -> int:
     if a.resident:
         result["same_answer"] = runs[0]["answer"] == runs[1]["answer"]
     os.makedirs(a.out, exist_ok=True)
-    stem = os.path.join(a.out, f"tier_scale_{a.context}")
+    stem = os.path.join(a.out, a.name or f"tier_scale_{a.context}")
     with open(stem + ".json", "w") as fh:
         json.dump(result, fh, indent=1, default=float)
     with open(stem + ".md", "w") as fh:
