@@ -30,6 +30,7 @@ def test_budget_covering_context_equals_dense_paged(family):
     compact_scored = dict(compact, score_distance=48)
     variants = [dict(enabled=True, budget=160), dict(enabled=True, budget=160, digest="mean",
                                                      sparse_prefill=True, group_reduce="mean")]
+    variants.append(dict(enabled=True, budget=160, rerank=3, sparse_prefill=True))  # every page a candidate
     if cfg.local_rope is None:  # compact positions re-rotate with the one rope a family has
         variants += [compact, compact_scored]  # every page selected: no page moves
     for sparse in variants:
@@ -394,18 +395,12 @@ def test_rerank_picks_exact_top_k_among_digest_candidates(distance):
     np.testing.assert_array_equal(np.asarray(got), want)
 
 
-def test_rerank_counts_the_candidates_keys_and_covers_dense_at_full_budget():
+def test_rerank_counts_the_candidates_keys():
     rng = np.random.default_rng()
     cfg = tiny_config("llama")
     model = random_model(cfg, int(rng.integers(1000)))
     prompts = random_prompts(rng, cfg.vocab_size, (60, 101))
     params = gj.SamplingParams(max_new_tokens=6, stop_at_eos=False)
-    dense = _engine(model).generate(prompts, params, return_logits=True)
-    full = _engine(model, dict(enabled=True, budget=160, rerank=3, sparse_prefill=True)).generate(
-        prompts, params, return_logits=True)
-    assert full.tokens == dense.tokens
-    for a, b in zip(full.logits, dense.logits):
-        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
     small = dict(enabled=True, budget=32, sink_pages=1, local_pages=2)  # 4 pages of 8 tokens
     plain = _engine(model, small).generate(prompts, params)
     rr = _engine(model, dict(small, rerank=2)).generate(prompts, params)
