@@ -109,7 +109,7 @@ def main(argv=None) -> int:
 
     mode = "QUICK (smoke-test sizes — not the reported figures)" if args.quick else "full sizes"
     cmd = "python experiments/bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    md = [f"# gemini_jax benchmarks\n",
+    md = ["# gemini_jax benchmarks\n",
           f"Mode: **{mode}**. Run {started:%Y-%m-%d %H:%M} UTC, {total:.0f} s, command `{cmd.strip()}`. "
           f"Written by `experiments/bench.py`; raw records in `bench.json`.\n",
           "## How to read this\n",

@@ -98,10 +98,10 @@ def main(argv=None) -> int:
     params = SamplingParams(max_new_tokens=tasks.KEY_DIGITS + 1, temperature=0.0, stop_at_eos=False)
     trials = []
     with gj.Engine(model, ecfg) as eng:
-        log = eng.tiered.selection_log = []
+        log = eng.store.selection_log = []
         forced: set = set()  # the running trial's needle pages, for the oracle
         if a.oracle != "off":
-            eng.tiered.selection_edit = functools.partial(
+            eng.store.selection_edit = functools.partial(
                 force_pages, forced, when=a.oracle, layers=a.oracle_layers, sink_pages=sp.sink_pages, block_size=a.block_size)
         cells = [(i, L, j, d, t) for i, L in enumerate(a.lengths) for j, d in enumerate(a.depths)
                  for t in range(a.trials)]

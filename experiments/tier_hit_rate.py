@@ -28,8 +28,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 import gemini_jax as gj  # noqa: E402
 from gemini_jax.config import CacheConfig, EngineConfig, SparseConfig, TierConfig  # noqa: E402
 from gemini_jax.data import corpus  # noqa: E402
-from gemini_jax.engine import new_stats  # noqa: E402
-from gemini_jax.tiers.runner import TieredRunner  # noqa: E402
+from gemini_jax.runtime import TieredRunner, new_stats  # noqa: E402
 
 
 def parse(argv=None):
@@ -55,20 +54,20 @@ def measure(model, toks, a, lookahead: int, fused: bool) -> dict:
                                           sparse_prefill=True, score_queries=64), tier=tier)
     with gj.Engine(model, ec) as eng:
         stats = new_stats()
-        runner = TieredRunner(eng, 1, stats)
+        runner = TieredRunner(eng.ctx, 1, stats)
         nxt = np.asarray(np.argmax(np.asarray(runner.prefill(0, toks)), -1), np.int32)
         lengths = np.array([len(toks)], np.int32)
         before, t0, late0 = None, None, 0
         for i in range(a.warmup + a.steps):
             if i == a.warmup:
                 before, t0 = dict(stats), time.perf_counter()
-                late0 = eng.tiered.prefetcher.stats["prefetch_late"]
+                late0 = eng.store.prefetcher.stats["prefetch_late"]
             nxt = np.asarray(np.argmax(np.asarray(runner.decode(nxt, lengths)), -1), np.int32)
             lengths = lengths + 1
         seconds = (time.perf_counter() - t0) / a.steps
         d = {k: stats[k] - before[k] for k in stats}
-        fused_steps = eng.tiered.fused_steps
-        late = eng.tiered.prefetcher.stats["prefetch_late"] - late0
+        fused_steps = eng.store.fused_steps
+        late = eng.store.prefetcher.stats["prefetch_late"] - late0
         runner.close()
     hits, misses = d["prefetch_hits"], d["prefetch_misses"]
     return {"lookahead": lookahead, "path": "one program" if fused else "layer by layer",

@@ -22,7 +22,7 @@ import numpy as np  # noqa: E402
 import gemini_jax as gj  # noqa: E402
 from gemini_jax.cache.paged import PagedKV  # noqa: E402
 from gemini_jax.errors import ConfigError  # noqa: E402
-from gemini_jax.tiers import runner as tiers_runner  # noqa: E402
+from gemini_jax.runtime import tiered as tiers_runner  # noqa: E402
 from helpers import random_model, random_prompts, tiny_config  # noqa: E402
 
 seed = int(sys.argv[1])
@@ -62,14 +62,15 @@ for mname, mesh in MESHES.items():
         report["max_err"][key] = float(max(np.abs(a - b).max() for a, b in zip(out.logits, refs[sname].logits)))
         report["tokens_equal"][key] = out.tokens == refs[sname].tokens
     if mname == "1x8":
-        shard = eng.k_pool.addressable_shards[0].data
-        report["pool_share"] = shard.size / eng.k_pool.size
-        report["pool_spec"] = str(eng.k_pool.sharding.spec)
+        pool = eng.store.device
+        shard = pool.k.addressable_shards[0].data
+        report["pool_share"] = shard.size / pool.k.size
+        report["pool_spec"] = str(pool.k.sharding.spec)
         # Compiled decode step: list all-gathers and their operand sizes.
         bt = jnp.zeros((2, 8), jnp.int32)
-        cache = PagedKV(eng.k_pool, eng.v_pool, bt, jnp.array([21, 36], jnp.int32), eng.digests,
+        cache = PagedKV(pool.k, pool.v, bt, jnp.array([21, 36], jnp.int32), pool.digests,
                         jnp.zeros((), jnp.int32))
-        hlo = eng._step.lower(eng.params, cache, jnp.zeros((2, 1), jnp.int32), jnp.zeros((2, 1), jnp.int32),
+        hlo = eng.ctx.step.lower(eng.params, cache, jnp.zeros((2, 1), jnp.int32), jnp.zeros((2, 1), jnp.int32),
                               jnp.zeros(2, jnp.int32)).compile().as_text()
         gathers = re.findall(r"= (\w+)\[([\d,]*)\][^ ]* all-gather", hlo)
         report["all_gathers"] = [[t, s] for t, s in gathers]
@@ -97,7 +98,7 @@ for mname in ("1x8", "2x4"):
         with engine(MESHES[mname], sp, tier(key.replace(" ", "-").replace("/", "-"), 16 if sp else 8)) as eng:
             out = eng.generate(prompts, params, return_logits=True)
             st = eng.tier_stats()
-            t = eng.tiered
+            t = eng.store.device
             report["max_err"][key] = float(max(np.abs(a - b).max() for a, b in zip(out.logits, refs[sname].logits)))
             report["tokens_equal"][key] = out.tokens == refs[sname].tokens
             report["tiered"][key] = {

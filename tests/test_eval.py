@@ -6,7 +6,6 @@ from types import SimpleNamespace
 import numpy as np
 
 import gemini_jax as gj
-from gemini_jax.data import tasks
 from gemini_jax.eval import is_correct, needle, perplexity, unigram_bits_per_byte, write_needle
 from helpers import random_model, tiny_config
 
@@ -41,7 +40,7 @@ def test_oracle_scores_100_and_random_scores_near_0(tmp_path):
     assert kv.overall == 1.0
     rnd = needle(RandomEngine(), lengths, depths, trials=20, progress=False)
     assert rnd.overall <= 0.05  # chance of guessing 5 digits (and no 6th) is ~1e-5
-    paths = write_needle(res, str(tmp_path), "oracle", "oracle")
+    write_needle(res, str(tmp_path), "oracle", "oracle")
     assert all((tmp_path / f"oracle.{e}").exists() for e in ("json", "md", "png"))
 
 

@@ -7,7 +7,6 @@ from hypothesis import given, settings, strategies as st
 import gemini_jax as gj
 from gemini_jax.cache.block_pool import NULL_PAGE, BlockPool
 from gemini_jax.cache.manager import KVCacheManager
-from gemini_jax.cache.paged import copy_pages
 from gemini_jax.errors import CacheExhausted
 from helpers import random_model, random_prompts, tiny_config
 
@@ -89,7 +88,7 @@ def test_exhaustion_raises_and_keeps_live_sequences():
 
 def test_free_unreferenced_cached_pages_are_evicted_lru():
     pool = BlockPool(4)
-    a, b, c = pool.allocate(), pool.allocate(), pool.allocate()
+    a, b, _ = pool.allocate(), pool.allocate(), pool.allocate()
     pool.register(a, 111)
     pool.register(b, 222)
     pool.release(a)
@@ -133,16 +132,16 @@ def test_fork_copies_partial_page_on_device():
     mgr.reserve(0, 20)
     mgr.commit(0, [1] * 20)
     # Fill the sequence's pages with random data, then fork: the partial page must be copied.
-    k = np.array(eng.k_pool)
-    k[:, :, mgr.seqs[0].pages[0]] = rng.normal(size=k[:, :, 0].shape)
-    eng.k_pool = np.asarray(k)
+    page = mgr.seqs[0].pages[0]
+    k, v, _ = eng.store.gather([page])
+    eng.store.scatter([page], rng.normal(size=k.shape), rng.normal(size=v.shape))
     copies = mgr.fork(0, 1)
     assert len(copies) == (1 if 20 % 64 else 0)
     for c in copies:
-        import jax.numpy as jnp
-        kp, vp, _ = copy_pages(jnp.asarray(eng.k_pool), jnp.asarray(eng.v_pool),
-                            jnp.asarray([c.src]), jnp.asarray([c.dst]))
-        np.testing.assert_array_equal(np.asarray(kp)[:, :, c.dst], np.asarray(kp)[:, :, c.src])
+        eng.store.copy_pages([c.src], [c.dst])
+        src, dst = eng.store.gather([c.src]), eng.store.gather([c.dst])
+        np.testing.assert_array_equal(dst[0], src[0])
+        np.testing.assert_array_equal(dst[1], src[1])
         assert mgr.seqs[1].pages[-1] == c.dst != mgr.seqs[0].pages[-1]
 
 

@@ -139,7 +139,7 @@ def test_audit_chain_and_tamper(model, tmp_path):
     ok, msg = verify(log)
     assert not ok and msg.startswith("record 1:")
     # The CLI says the same and exits non-zero.
-    out = subprocess.run([sys.executable, "-m", "gemini_jax.session.audit", "verify", log],
+    out = subprocess.run([sys.executable, "-m", "gemini_jax.audit", "verify", log],
                          capture_output=True, text=True)
     assert out.returncode == 1 and "record 1" in out.stdout
 

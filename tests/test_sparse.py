@@ -63,13 +63,13 @@ def test_digests_match_pages_after_generate(kind):
     prompt = random_prompts(rng, cfg.vocab_size, (45,))[0]
     sid_before = set(eng.kv.seqs)
     # Keep the sequence alive to inspect its pages: run the runner by hand.
-    from gemini_jax.engine import _PagedRunner, new_stats
+    from gemini_jax.runtime import PagedRunner, new_stats
 
-    runner = _PagedRunner(eng, 1, new_stats())
+    runner = PagedRunner(eng.ctx, 1, new_stats())
     runner.prefill(0, np.asarray(prompt, np.int32))
     seq = eng.kv.seqs[runner.ids[0]]
-    k = np.asarray(eng.k_pool)
-    dig = np.asarray(eng.digests)
+    k = np.asarray(eng.store.device.k)
+    dig = np.asarray(eng.store.device.digests)
     for i, page in enumerate(seq.pages):
         count = min(8, seq.num_tokens - i * 8)
         keys = k[:, :, page, :count]  # [L, K, count, D]
@@ -258,7 +258,9 @@ def test_last_prompt_token_runs_alone_under_sparse_prefill(sparse, alone):
     rng = np.random.default_rng()
     eng = _engine(random_model(tiny_config("llama"), 5), dict(sparse, budget=32) if sparse else None)
     n = int(rng.integers(20, 60))
-    pieces = [k for _, _, k in eng._prefill_chunks(np.arange(n, dtype=np.int32), 0)]
+    from gemini_jax.runtime.chunking import prefill_pieces
+
+    pieces = [k for _, _, k in prefill_pieces(eng.config, np.arange(n, dtype=np.int32), 0)]
     assert sum(pieces) == n
     chunk = eng.config.prefill_chunk
     want = [chunk] * ((n - 1) // chunk) + [(n - 1) % chunk + 1]
@@ -271,20 +273,20 @@ def test_score_distance_digests_hold_unroped_keys_and_bound_scores_at_that_dista
     """sparse.score_distance: the digests bound the keys before rope, and a page's score bounds
     q . k for each of its keys re-roped at `score_distance` tokens before the query."""
     from gemini_jax.attention.select import page_scores, select_step
-    from gemini_jax.engine import _PagedRunner, new_stats
     from gemini_jax.model import layers as L
+    from gemini_jax.runtime import PagedRunner, new_stats
 
     rng = np.random.default_rng()
     cfg = tiny_config("llama")
     d = int(rng.integers(8, 60))
     sparse = dict(enabled=True, budget=32, positions="compact", score_distance=d, sparse_prefill=True)
     eng = _engine(random_model(cfg, int(rng.integers(100))), sparse)
-    runner = _PagedRunner(eng, 1, new_stats())
+    runner = PagedRunner(eng.ctx, 1, new_stats())
     runner.prefill(0, np.asarray(random_prompts(rng, cfg.vocab_size, (70,))[0], np.int32))
     seq = eng.kv.seqs[runner.ids[0]]
     inv = L.inv_frequencies(cfg.rope, cfg.head_dim)
-    k = np.asarray(eng.k_pool)  # [L, K, P, S, D], roped at true positions
-    dig = np.asarray(eng.digests)
+    k = np.asarray(eng.store.device.k)  # [L, K, P, S, D], roped at true positions
+    dig = np.asarray(eng.store.device.digests)
     raw = []
     for i, page in enumerate(seq.pages):
         count = min(8, seq.num_tokens - i * 8)

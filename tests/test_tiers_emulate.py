@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import gemini_jax as gj
-from gemini_jax.config import CacheConfig, EngineConfig, HardwareConfig, SamplingParams, SparseConfig, TierConfig
+from gemini_jax.config import CacheConfig, EngineConfig, HardwareConfig, SamplingParams, SparseConfig
 from gemini_jax.errors import ConfigError
 from gemini_jax.tiers.emulate import cap_engine, min_device_fraction, proportions
 from helpers import random_model, random_prompts, tiny_config

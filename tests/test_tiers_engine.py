@@ -1,4 +1,4 @@
-"""The engine over tiers (gemini_jax.tiers.runner): device budgets and prefetch depths never
+"""The engine over tiers (gemini_jax.runtime.tiered): device budgets and prefetch depths never
 change the numbers; pages really move (counters); disk pages are verified on the way up."""
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def test_corrupt_disk_page_raises_integrity_error(tmp_path):
     prompt = random_prompts(np.random.default_rng(), cfg.vocab_size, [240])[0]
     with _disk_engine(model, tmp_path) as eng:
         eng.generate(prompt, SamplingParams(max_new_tokens=2, temperature=0.0))
-        eng.tiered.stack.flush()
+        eng.store.stack.flush()
         files = [p for p in pathlib.Path(tmp_path / "kv").rglob("*") if p.is_file() and p.stat().st_size > 1000]
         assert files
         for p in files:  # flip bytes in the middle of every page file
@@ -263,7 +263,7 @@ def test_fused_decode_raises_integrity_error_for_a_corrupt_page(tmp_path):
         for _ in range(3):
             next(sess)
         assert eng.tier_stats()["fused_decode_steps"] > 0
-        eng.tiered.stack.flush()
+        eng.store.stack.flush()
         for p in pathlib.Path(tmp_path / "kv").rglob("*"):
             if p.is_file() and p.stat().st_size > 1000:
                 data = bytearray(p.read_bytes())
@@ -296,15 +296,15 @@ def test_selection_edit_hook_replaces_the_selection():
         return selected
 
     with gj.Engine(model, ecfg) as eng:
-        eng.tiered.selection_edit = identity
+        eng.store.selection_edit = identity
         same = eng.generate(prompt, params, return_logits=True)
         assert eng.tier_stats()["fused_decode_steps"] == 0
     assert any(seen) and not all(seen)  # prompt calls and decode steps both went through it
     np.testing.assert_allclose(same.logits[0], plain.logits[0], atol=1e-5, rtol=0)
 
     with gj.Engine(model, ecfg) as eng:
-        log = eng.tiered.selection_log = []
-        eng.tiered.selection_edit = lambda layer, decode, positions, sel: np.where(
+        log = eng.store.selection_log = []
+        eng.store.selection_edit = lambda layer, decode, positions, sel: np.where(
             (np.arange(sel.shape[-1]) == 1) & decode, 2, sel)  # column 1 reads logical page 2 at decode
         forced = eng.generate(prompt, params, return_logits=True)
     rows = [r["selected"] for r in log if r["decode"]]

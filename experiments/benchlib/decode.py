@@ -32,7 +32,7 @@ import numpy as np
 import gemini_jax as gj
 from gemini_jax.attention import digests as D
 from gemini_jax.config import CacheConfig, SparseConfig
-from gemini_jax.engine import _ContiguousRunner, _PagedRunner, new_stats
+from gemini_jax.runtime import ContiguousRunner, PagedRunner, new_stats
 
 
 class DecodeHarness:
@@ -51,22 +51,22 @@ class DecodeHarness:
         kk, kv = jax.random.split(key)
         dt = self.eng.cache_dtype
         if kind == "paged":
-            self.runner = _PagedRunner(self.eng, 1, self.stats)
+            self.runner = PagedRunner(self.eng.ctx, 1, self.stats)
             sid = self.runner.ids[0]
             toks = np.random.default_rng(seed).integers(0, cfg.vocab_size, context).astype(np.int32)
             kvm = self.eng.kv
             kvm.add_sequence(sid, toks)
             kvm.reserve(sid, context)
             kvm.commit(sid, toks)
-            pages = jnp.asarray(kvm.seqs[sid].pages, jnp.int32)
+            pages = kvm.seqs[sid].pages
             shape = (cfg.num_layers, cfg.num_kv_heads, len(pages), block_size, cfg.head_dim)
-            self.eng.k_pool = self.eng.k_pool.at[:, :, pages].set(jax.random.normal(kk, shape, dt))
-            self.eng.v_pool = self.eng.v_pool.at[:, :, pages].set(jax.random.normal(kv, shape, dt))
-            jax.block_until_ready((self.eng.k_pool, self.eng.v_pool))
-            if self.eng.digests is not None:
+            store = self.eng.store
+            store.scatter(pages, jax.random.normal(kk, shape, dt), jax.random.normal(kv, shape, dt))
+            jax.block_until_ready(store.device)
+            if store.device.digests is not None:
                 self._fill_digests(np.asarray(kvm.seqs[sid].pages, np.int32), context, seed)
         else:
-            self.runner = _ContiguousRunner(self.eng, 1, self.stats)
+            self.runner = ContiguousRunner(self.eng.ctx, 1, self.stats)
             c = self.runner.cache
             shape = (cfg.num_layers, 1, context, cfg.num_kv_heads, cfg.head_dim)
             self.runner.cache = c._replace(k=c.k.at[:, :, :context].set(jax.random.normal(kk, shape, dt)),
@@ -85,16 +85,19 @@ class DecodeHarness:
         pos = jnp.arange(context, dtype=jnp.int32)[None]
         lengths = jnp.asarray([context], jnp.int32)
         upd = jax.jit(D.update, static_argnums=0, donate_argnums=1)
+        store = e.store
         for layer in range(L):
-            e.digests = upd(kind, e.digests, e.k_pool, layer, pos, bt, lengths)
-        jax.block_until_ready(e.digests)
+            store.update(lambda kv, layer=layer: (kv._replace(digests=upd(kind, kv.digests, kv.k, layer, pos, bt,
+                                                                          lengths)), None))
+        jax.block_until_ready(store.device.digests)
         # Spot check against page_digest: the first, a random and the last (maybe partial) page.
         rng = np.random.default_rng(seed)
         for j in sorted({0, int(rng.integers(len(pages))), len(pages) - 1}):
             count = min(S, context - j * S)
             layer = int(rng.integers(L))
-            want = D.page_digest(kind, e.k_pool[layer, :, pages[j]], jnp.full((e.k_pool.shape[1],), count))
-            got = e.digests[layer, :, pages[j]]
+            k_pool = store.device.k
+            want = D.page_digest(kind, k_pool[layer, :, pages[j]], jnp.full((k_pool.shape[1],), count))
+            got = store.device.digests[layer, :, pages[j]]
             if not np.allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=1e-6):
                 raise AssertionError(f"digest of page {j} (layer {layer}) does not match its keys.")
 

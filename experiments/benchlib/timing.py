@@ -43,7 +43,9 @@ def fmt_ratio(s: dict, prefix: str = "") -> str:
 
 
 def md_table(headers: list[str], rows: list[list]) -> str:
-    line = lambda cells: "| " + " | ".join(str(c) for c in cells) + " |"
+    def line(cells):
+        return "| " + " | ".join(str(c) for c in cells) + " |"
+
     return "\n".join([line(headers), line(["---"] * len(headers))] + [line(r) for r in rows])
 
 

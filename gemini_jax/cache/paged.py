@@ -31,12 +31,6 @@ class PagedKV(NamedTuple):
     page_reads: Optional[jax.Array] = None  # i32[]: (page, kv head) pairs attention read, all layers
     key_reads: Optional[jax.Array] = None  # i32[]: (page, kv head) pairs whose keys alone were read (rerank)
 
-    @staticmethod
-    def create_pool(cfg: ModelConfig, num_pages: int, block_size: int, dtype):
-        shape = (cfg.num_layers, cfg.num_kv_heads, num_pages, block_size, cfg.head_dim)
-        # Zeros: the null page (0) is read under a mask, and 0 * NaN would poison outputs.
-        return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
-
 
 def write_pages(k_pool, v_pool, layer, k, v, positions, block_tables, lengths):
     """Scatter new K/V [B, T, K, D] at `positions` [B, T] into their pages.
@@ -53,6 +47,30 @@ def write_pages(k_pool, v_pool, layer, k, v, positions, block_tables, lengths):
     k_pool = k_pool.at[layer, :, page, slot].set(k.astype(k_pool.dtype), mode="drop")
     v_pool = v_pool.at[layer, :, page, slot].set(v.astype(v_pool.dtype), mode="drop")
     return k_pool, v_pool
+
+
+class Span(NamedTuple):
+    """Where a call's new K/V go: `positions` i32[B, T], `lengths` i32[B] (positions at or past
+    a row's length are padding, never written), `tables` i32[B, W] (logical page -> index in the
+    KV arrays: a page id, or a device slot under tiers) and `page_ids` i32[B, W] (logical page ->
+    page id, which digests are kept by; None: the same as `tables`)."""
+
+    positions: jax.Array
+    lengths: jax.Array
+    tables: jax.Array
+    page_ids: Optional[jax.Array] = None
+
+
+def write_layer(k_pool, v_pool, digests, layer, kv_new, span: Span, *, digest_kind=None, unrope=None):
+    """The first half of every runner's layer body: this call's K/V (`kv_new` = (k, v) [B, T, K, D])
+    into their pages, then the digests of the pages they touched (`digest_kind` None: no
+    digests). -> (k_pool, v_pool, digests)."""
+    k, v = kv_new
+    k_pool, v_pool = write_pages(k_pool, v_pool, layer, k, v, span.positions, span.tables, span.lengths)
+    if digest_kind is not None:
+        digests = D.update(digest_kind, digests, k_pool, layer, span.positions, span.tables, span.lengths,
+                           digest_tables=span.page_ids, unrope=unrope)
+    return k_pool, v_pool, digests
 
 
 def gather_pages(pool_layer, block_tables):
@@ -80,12 +98,10 @@ def paged_backend(cfg: ModelConfig, impl: str = "xla", sparse: SparseConfig | No
     unrope = inv_freq if compact and sp.score_distance > 0 else None  # digests of keys before rope
 
     def attend(layer, q, k, v, q_pos, window, cache: PagedKV):
-        k_pool, v_pool = write_pages(cache.k, cache.v, layer, k, v, q_pos, cache.block_tables,
-                                     cache.lengths)
-        cache = cache._replace(k=k_pool, v=v_pool)
-        if sp is not None:
-            cache = cache._replace(digests=D.update(sp.digest, cache.digests, k_pool, layer, q_pos,
-                                                    cache.block_tables, cache.lengths, unrope=unrope))
+        k_pool, v_pool, dig = write_layer(cache.k, cache.v, cache.digests, layer, (k, v),
+                                          Span(q_pos, cache.lengths, cache.block_tables),
+                                          digest_kind=None if sp is None else sp.digest, unrope=unrope)
+        cache = cache._replace(k=k_pool, v=v_pool, digests=dig)
         T = q.shape[1]
         if sp is not None and (T == 1 or sp.sparse_prefill):
             if sp.dense_layers > 0:
@@ -159,13 +175,3 @@ def paged_backend(cfg: ModelConfig, impl: str = "xla", sparse: SparseConfig | No
             soft_cap=cfg.attn_softcap, sliding_window=(w or None), interpret=interpret)[:, None])
 
     return attend
-
-
-@jax.jit
-def copy_pages(k_pool, v_pool, src, dst, digests=None):
-    """Copy whole pages src[i] -> dst[i] in every layer (copy-on-write of partial pages)."""
-    k_pool = k_pool.at[:, :, dst].set(k_pool[:, :, src])
-    v_pool = v_pool.at[:, :, dst].set(v_pool[:, :, src])
-    if digests is not None:
-        digests = digests.at[:, :, dst].set(digests[:, :, src])
-    return k_pool, v_pool, digests

@@ -5,18 +5,18 @@ position, the instruction, the resulting tokens' hash and timestamps; its own ha
 of it. `verify` walks the chain and names the first bad record; with an engine it also replays
 each record (resume from the snapshot with the same instruction) and checks the result hash.
 
-    python -m gemini_jax.session.audit verify LOG [--replay] [--weights HF_DIR]
+    python -m gemini_jax.audit verify LOG [--replay] [--weights HF_DIR]
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import hashlib
 import json
 import os
-import sys
 import time
+
+from gemini_jax.config import SamplingParams
 
 GENESIS = "0" * 64
 
@@ -68,7 +68,7 @@ def attach(sess, log_path: str, *, snapshot: str, snapshot_hash: str, position: 
             result_tokens=[int(t) for t in result], result_sha256=tokens_hash(result),
             interrupted=s.interrupted, started=started, finished=time.time())
 
-    sess._on_stop.append(on_stop)
+    sess.on_stop(on_stop)
 
 
 def verify(path: str, engine=None) -> tuple[bool, str]:
@@ -87,8 +87,6 @@ def verify(path: str, engine=None) -> tuple[bool, str]:
             return False, f"record {i}: result_tokens do not match result_sha256"
         prev = rec["record_hash"]
         if engine is not None and not rec.get("interrupted"):
-            from gemini_jax.config import SamplingParams
-
             params = SamplingParams(**rec["sampling"]) if rec.get("sampling") else None
             sess = engine.resume(rec["snapshot"], rec["instruction_tokens"], rewind_to=rec["rewind_to"],
                                  params=params)
@@ -100,27 +98,3 @@ def verify(path: str, engine=None) -> tuple[bool, str]:
             if tokens_hash(got) != rec["result_sha256"]:
                 return False, f"record {i}: replay produced different tokens"
     return True, f"{len(records)} record(s) verified" + (" and replayed" if engine is not None else "")
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m gemini_jax.session.audit")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    v = sub.add_parser("verify", help="check the hash chain (and optionally replay every record)")
-    v.add_argument("log")
-    v.add_argument("--replay", action="store_true", help="re-run each turn and compare result hashes")
-    v.add_argument("--weights", default=None, help="HF weights dir (default: the shipped tiny model)")
-    v.add_argument("--max-seq-len", type=int, default=4096)
-    args = ap.parse_args(argv)
-    engine = None
-    if args.replay:
-        import gemini_jax as gj
-
-        model = gj.load_hf(args.weights) if args.weights else gj.load_tiny()
-        engine = gj.Engine(model, gj.EngineConfig(max_seq_len=args.max_seq_len))
-    ok, msg = verify(args.log, engine)
-    print(("OK: " if ok else "FAILED: ") + msg)
-    return 0 if ok else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -14,11 +14,12 @@ from typing import Optional
 import jax.numpy as jnp
 import numpy as np
 
-from gemini_jax.cache.paged import copy_pages
 from gemini_jax.config import SamplingParams
 from gemini_jax.errors import BudgetExceeded, ConfigError, ContextLengthError
 from gemini_jax.model import validate_tokens
+from gemini_jax.runtime import make_runner, new_stats
 from gemini_jax.sampling import sample_with
+from gemini_jax.session import snapshot
 
 
 class Session:
@@ -26,8 +27,6 @@ class Session:
     the iteration at the next token boundary; `snapshot(path)` saves it; `close()` frees it."""
 
     def __init__(self, engine, params: SamplingParams, *, budget: Optional[int] = None, sample_index: int = 0):
-        from gemini_jax.engine import _PagedRunner, new_stats
-
         if engine.kv is None:
             raise ConfigError("sessions need the paged cache (EngineConfig.cache.kind='paged').")
         self.engine = engine
@@ -35,12 +34,7 @@ class Session:
         self.budget = budget
         self.sample_index = sample_index  # which sequence's PRNG stream the sampler draws from
         self.stats = new_stats()
-        if engine.tiered is not None:  # pages in device slots + host RAM + disk, run layer by layer
-            from gemini_jax.tiers.runner import TieredRunner
-
-            self._runner = TieredRunner(engine, 1, self.stats)
-        else:
-            self._runner = _PagedRunner(engine, 1, self.stats)
+        self._runner = make_runner(engine.ctx, 1, self.stats)
         self.seq_id = self._runner.ids[0]
         self.prompt_len = 0
         self.generated: list[int] = []
@@ -48,7 +42,7 @@ class Session:
         self.logits = None  # f32[1, V]: logits for the next token
         self.finished = False
         self._stop = threading.Event()
-        self._on_stop = []  # callbacks run once when iteration ends (audit records)
+        self._on_stop = []  # callbacks run once when iteration ends (audit records): `on_stop`
 
     # ---- state ------------------------------------------------------------------------------
     @property
@@ -66,7 +60,8 @@ class Session:
     def compute_units(self) -> int:
         return self.stats["compute_units"]
 
-    def _charge(self, units: int, what: str) -> None:
+    def charge(self, units: int, what: str) -> None:
+        """Refuse (BudgetExceeded) work of `units` compute units that would pass the budget."""
         if self.budget is not None and self.compute_units + units > self.budget:
             raise BudgetExceeded(
                 f"{what} needs {units} compute units; {self.compute_units} of the quota {self.budget} are "
@@ -85,7 +80,7 @@ class Session:
         """Prefill `tokens` after the current end (the prompt, or an instruction)."""
         toks = validate_tokens(tokens, self.engine.model_cfg.vocab_size, what)
         self._check_room(len(toks), what)
-        self._charge(len(toks) * self.engine.model_cfg.num_layers, what)
+        self.charge(len(toks) * self.engine.model_cfg.num_layers, what)
         if self.seq_id in self.engine.kv.seqs:
             self.logits = self._runner.prefill_more(0, toks)
         else:  # the first prompt: a new sequence, sharing any cached prefix pages
@@ -100,15 +95,10 @@ class Session:
             raise ValueError(f"rewind_to={keep} must be in [1, {self.position}].")
         tokens = self.tokens
         copies = e.kv.truncate(self.seq_id, keep - 1)
-        if copies and e.tiered is not None:
-            for c in copies:
-                e.tiered.copy_page(c.src, c.dst)
-        elif copies:
-            e.k_pool, e.v_pool, e.digests = copy_pages(
-                e.k_pool, e.v_pool, jnp.asarray([c.src for c in copies]), jnp.asarray([c.dst for c in copies]),
-                e.digests)
+        if copies:
+            e.store.copy_pages([c.src for c in copies], [c.dst for c in copies])
         # Recompute the last kept token: its logits predict what follows (counted, see DCU).
-        self._charge(e.model_cfg.num_layers, "rewind")
+        self.charge(e.model_cfg.num_layers, "rewind")
         self.logits = self._runner.prefill_more(0, np.asarray(tokens[keep - 1:keep], np.int32))
         self.generated = self.generated[:max(0, keep - self.prompt_len)]
         self.new_tokens = 0
@@ -136,7 +126,7 @@ class Session:
         if pos >= self.engine.config.max_seq_len:
             self._stopped()
             raise StopIteration
-        self._charge(cfg.num_layers, "decode step")
+        self.charge(cfg.num_layers, "decode step")
         tok = int(np.asarray(sample_with(self.params, self.logits, [self.sample_index], [pos]))[0])
         # Write the token's KV now, so every boundary is a complete state (see module doc).
         self.logits = self._runner.decode(np.asarray([tok], np.int32), np.asarray([pos], np.int32))
@@ -152,6 +142,10 @@ class Session:
         """Iterate to the end (or an interrupt); return the tokens produced by this run."""
         return [t for t in self]
 
+    def on_stop(self, callback) -> None:
+        """Run `callback(session)` once, when the current iteration ends (audit records)."""
+        self._on_stop.append(callback)
+
     def _stopped(self) -> None:
         callbacks, self._on_stop = self._on_stop, []
         for cb in callbacks:
@@ -160,9 +154,7 @@ class Session:
     # ---- persistence ------------------------------------------------------------------------
     def snapshot(self, path: str, *, include_kv: bool = True) -> str:
         """Save the session with Orbax (atomically); returns the snapshot's content hash."""
-        from gemini_jax.session.snapshot import save_snapshot
-
-        return save_snapshot(self, path, include_kv=include_kv)
+        return snapshot.save_snapshot(self, path, include_kv=include_kv)
 
     def close(self) -> None:
         if self.seq_id in self.engine.kv.seqs:
@@ -177,3 +169,26 @@ class Session:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def restore_session(engine, path: str, *, params: SamplingParams | None = None, budget=None) -> Session:
+    """A live Session rebuilt from a snapshot on `engine`. Every check (seal, checksums,
+    fingerprint, context) runs before any state changes."""
+    meta, arrays, digest = snapshot.load_snapshot(path)
+    snapshot.check_fingerprint(engine, path, meta)
+    params = params or SamplingParams(**meta["sampling"])
+    tokens = meta["tokens"]
+    if len(tokens) + params.max_new_tokens > engine.config.max_seq_len:
+        raise ContextLengthError(f"snapshot holds {len(tokens)} tokens; + max_new_tokens={params.max_new_tokens} "
+                                 f"exceeds max_seq_len={engine.config.max_seq_len}.")
+    sess = Session(engine, params, budget=budget if budget is not None else meta["budget"],
+                   sample_index=meta["sample_index"])
+    snapshot.restore_pages(engine, sess.seq_id, meta, arrays)
+    sess.logits = jnp.asarray(arrays["logits"])[None]
+    sess.prompt_len = meta["prompt_len"]
+    sess.generated = list(meta["generated"])
+    sess.new_tokens = meta["new_tokens"]
+    sess.finished = meta["finished"]
+    sess.stats["compute_units"] = meta["compute_units"]
+    sess.snapshot_hash = digest
+    return sess

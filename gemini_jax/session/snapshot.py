@@ -19,11 +19,9 @@ import shutil
 import time
 import uuid
 
-import jax.numpy as jnp
 import numpy as np
 
 from gemini_jax.cache.block_pool import NULL_PAGE
-from gemini_jax.config import SamplingParams
 from gemini_jax.errors import SnapshotError
 
 FORMAT = 1
@@ -33,24 +31,12 @@ def _sha(a: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
 
 
-def weights_hash(engine) -> str:
-    """sha256 over every weight (computed once per engine)."""
-    if getattr(engine, "_weights_sha", None) is None:
-        import jax
-
-        h = hashlib.sha256()
-        for leaf in jax.tree.leaves(engine.params):
-            h.update(np.asarray(leaf).tobytes())
-        engine._weights_sha = h.hexdigest()
-    return engine._weights_sha
-
-
 def fingerprint(engine) -> dict:
     """What must match for a snapshot to be valid on an engine: model, weights, KV layout."""
     c = engine.config
     return {
         "model": json.loads(json.dumps(dataclasses.asdict(engine.model_cfg))),
-        "weights_sha256": weights_hash(engine),
+        "weights_sha256": engine.weights_sha256,
         "block_size": c.cache.block_size,
         "cache_dtype": str(engine.cache_dtype),
         "sparse": json.loads(json.dumps(dataclasses.asdict(c.sparse))),
@@ -79,15 +65,10 @@ def save_snapshot(sess, path: str, *, include_kv: bool = True) -> str:
     pages = list(seq.pages)
     null = [i for i, p in enumerate(pages) if p == NULL_PAGE]
     arrays = {"logits": np.asarray(sess.logits[0])}
-    if e.tiered is not None:  # pages wherever they live: device slots, host RAM, disk
-        arrays["k"], arrays["v"], dig = e.tiered.gather(pages)
-        if dig is not None:
-            arrays["digests"] = dig
-    else:
-        idx = jnp.asarray(pages, jnp.int32)
-        arrays["k"], arrays["v"] = np.asarray(e.k_pool[:, :, idx]), np.asarray(e.v_pool[:, :, idx])
-        if e.digests is not None:
-            arrays["digests"] = np.asarray(e.digests[:, :, idx])
+    # Pages wherever they live: the device pool, or device slots, host RAM and disk under tiers.
+    arrays["k"], arrays["v"], dig = e.store.gather(pages)
+    if dig is not None:
+        arrays["digests"] = dig
     meta = {
         "format": FORMAT,
         "created": time.time(),
@@ -169,44 +150,24 @@ def load_snapshot(path: str) -> tuple[dict, dict, str]:
     return meta, {k: np.asarray(v) for k, v in arrays.items()}, sealed
 
 
-def restore_session(engine, path: str, *, params: SamplingParams | None = None, budget=None):
-    """A live Session rebuilt from a snapshot on `engine` (fingerprint checked first)."""
-    from gemini_jax.session.session import Session
-
-    meta, arrays, digest = load_snapshot(path)
+def check_fingerprint(engine, path: str, meta: dict) -> None:
+    """SnapshotError naming the differences when a snapshot was taken on another model or config."""
     diffs = _differences(meta["fingerprint"], fingerprint(engine))
     if diffs:
         raise SnapshotError(f"snapshot {path!r} was taken on another model or config: " + "; ".join(diffs[:6]))
-    params = params or SamplingParams(**meta["sampling"])
-    sess = Session(engine, params, budget=budget if budget is not None else meta["budget"],
-                   sample_index=meta["sample_index"])
-    tokens = meta["tokens"]
-    if len(tokens) + params.max_new_tokens > engine.config.max_seq_len:
-        from gemini_jax.errors import ContextLengthError
 
-        raise ContextLengthError(f"snapshot holds {len(tokens)} tokens; + max_new_tokens={params.max_new_tokens} "
-                                 f"exceeds max_seq_len={engine.config.max_seq_len}.")
-    to_fill = engine.kv.restore_sequence(sess.seq_id, tokens, set(meta["null_pages"]))
-    if to_fill and engine.tiered is not None:
-        logical = np.asarray([i for i, _ in to_fill])
-        phys = [p for _, p in to_fill]
-        S = engine.config.cache.block_size
-        last = (len(tokens) - 1) // S  # the partial last page, if any, stays on device
-        partial = [p for i, p in to_fill if i == last and len(tokens) % S]
-        engine.tiered.scatter(phys, arrays["k"][:, :, logical], arrays["v"][:, :, logical],
-                              arrays["digests"][:, :, logical] if "digests" in arrays else None, partial=partial)
-    elif to_fill:
-        logical = jnp.asarray([i for i, _ in to_fill])
-        phys = jnp.asarray([p for _, p in to_fill])
-        engine.k_pool = engine.k_pool.at[:, :, phys].set(jnp.asarray(arrays["k"])[:, :, logical])
-        engine.v_pool = engine.v_pool.at[:, :, phys].set(jnp.asarray(arrays["v"])[:, :, logical])
-        if engine.digests is not None:
-            engine.digests = engine.digests.at[:, :, phys].set(jnp.asarray(arrays["digests"])[:, :, logical])
-    sess.logits = jnp.asarray(arrays["logits"])[None]
-    sess.prompt_len = meta["prompt_len"]
-    sess.generated = list(meta["generated"])
-    sess.new_tokens = meta["new_tokens"]
-    sess.finished = meta["finished"]
-    sess.stats["compute_units"] = meta["compute_units"]
-    sess.snapshot_hash = digest
-    return sess
+
+def restore_pages(engine, seq_id: int, meta: dict, arrays: dict) -> None:
+    """Register sequence `seq_id` with the snapshot's tokens and write its pages into the store
+    (a prefix already cached is shared, not rewritten)."""
+    tokens = meta["tokens"]
+    to_fill = engine.kv.restore_sequence(seq_id, tokens, set(meta["null_pages"]))
+    if not to_fill:
+        return
+    logical = np.asarray([i for i, _ in to_fill])
+    phys = [p for _, p in to_fill]
+    S = engine.config.cache.block_size
+    last = (len(tokens) - 1) // S  # the partial last page, if any, stays on device under tiers
+    partial = [p for i, p in to_fill if i == last and len(tokens) % S]
+    engine.store.scatter(phys, arrays["k"][:, :, logical], arrays["v"][:, :, logical],
+                         arrays["digests"][:, :, logical] if "digests" in arrays else None, partial=partial)

@@ -85,6 +85,10 @@ class DeviceSlots:
         for layer, _ in self._pinned:
             self._pinned_per_layer[layer] += 1
 
+    def pinned_pages(self, layer: int) -> set[int]:
+        """Pages of `layer` pinned, resident or not."""
+        return {p for (l, p) in self._pinned if l == layer}
+
     def pinned_count(self, layer: int) -> int:
         """Keys of `layer` pinned, resident or not (an upper bound of `pinned_resident`, O(1))."""
         return self._pinned_per_layer[layer]

@@ -9,6 +9,7 @@ A native checkpoint directory holds `model.safetensors` in these names and `conf
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -122,3 +123,11 @@ def read_config_json(path: Path) -> dict:
     if not isinstance(data, dict):
         raise CheckpointError(f"{path} must hold a JSON object, got {type(data).__name__}.")
     return data
+
+
+def params_sha256(params) -> str:
+    """sha256 over every weight array of a model state, in tree order."""
+    h = hashlib.sha256()
+    for leaf in jax.tree.leaves(params):
+        h.update(np.asarray(leaf).tobytes())
+    return h.hexdigest()

@@ -113,7 +113,7 @@ def dense_vs_hf(ctx: Context) -> RowResult:
             table.append([plen, name, f"{n / median(t):.1f}",
                           "1.00× (baseline)" if name == "transformers" else fmt_ratio(r),
                           f"{_agree(toks, tok_h)}/{n + 1}"])
-        del engines
+        engines.clear()  # free both before the next length
     md = md_table(["prompt", "engine", "decode tokens/s (median)", "ours / HF (tokens/s)",
                    "greedy tokens equal to HF (prefix)"], table)
     md += (f"\n\n{n} decode steps per measurement, median of {s['repeats']} interleaved repeats; ratio "

@@ -11,10 +11,10 @@ from tqdm import tqdm
 from benchlib.decode import DecodeHarness
 from benchlib.registry import Context, RowResult, row
 from benchlib.rows.common import close_harnesses, llama, peak_rss_gib
-from benchlib.timing import fmt_ms, fmt_ratio, interleaved, md_table, median, ratio_stats
+from benchlib.timing import fmt_ms, interleaved, md_table, median, ratio_stats
 from gemini_jax.attention.select import page_scores, select_pages
 from gemini_jax.config import SparseConfig
-from gemini_jax.engine import _table_width
+from gemini_jax.cache.shapes import table_width
 
 GOAL = 0.25  # selection (scores + top-k) should take at most this share of a sparse step
 
@@ -78,7 +78,7 @@ def sparse_select_share(ctx: Context) -> RowResult:
                 eng, sid = h.eng, h.runner.ids[0]
                 # The block table as the next step sees it (one more token reserved), at the step's width.
                 pages = max(len(eng.kv.seqs[sid].pages), -(-(context + 1) // bs))
-                width = _table_width(pages, eng.config.pages_per_seq)
+                width = table_width(pages, eng.config.pages_per_seq)
                 bt = jnp.asarray(eng.kv.block_tables([sid], width))
                 q = jax.random.normal(jax.random.key(ctx.seed + 3),
                                       (cfg.num_layers, 1, 1, cfg.num_heads, cfg.head_dim), jnp.float32)
@@ -88,8 +88,8 @@ def sparse_select_share(ctx: Context) -> RowResult:
                 def select_timed(n):
                     t0 = time.perf_counter()
                     for _ in range(n):
-                        # eng.digests is read at call time: the step replaces it (donation).
-                        jax.block_until_ready(fn(eng.digests, bt, q, q_pos))
+                        # The store's digests are read at call time: the step replaces them (donation).
+                        jax.block_until_ready(fn(eng.store.device.digests, bt, q, q_pos))
                     return (time.perf_counter() - t0) / n
 
                 for _ in range(s["warmup"]):  # compile + warm both

@@ -15,9 +15,8 @@ from benchlib.registry import Context, RowResult, row
 from benchlib.rows.common import peak_rss_gib
 from benchlib.timing import fmt_bytes, fmt_ms, fmt_ratio, interleaved, md_table, median, ratio_stats
 from gemini_jax.config import CacheConfig, EngineConfig, SparseConfig, TierConfig
-from gemini_jax.engine import _PagedRunner, new_stats
+from gemini_jax.runtime import make_runner, new_stats
 from gemini_jax.tiers.cost_model import measure_disk
-from gemini_jax.tiers.runner import TieredRunner
 
 GOAL_RATIO = 0.9  # tiered / all-resident speed at 25% with depth >= 2
 GOAL_HIT = 0.95
@@ -61,7 +60,7 @@ class _Variant:
             cache=CacheConfig(block_size=s["block_size"], prefix_caching=False), sparse=sp,
             tier=tier or TierConfig()))
         self.stats = new_stats()
-        self.runner = (TieredRunner if tier is not None else _PagedRunner)(self.eng, 1, self.stats)
+        self.runner = make_runner(self.eng.ctx, 1, self.stats)
         logits = self.runner.prefill(0, toks)
         self.next = np.asarray(np.argmax(np.asarray(logits), -1), np.int32)
         self.lengths = np.array([len(toks)], np.int32)
@@ -133,8 +132,8 @@ def tiers(ctx: Context) -> RowResult:
                 live[name].step()
         before = {n: dict(v.stats) for n, v in live.items()}
         steps0 = {n: len(v.tokens) for n, v in live.items()}
-        fused0 = {n: (v.eng.tiered.fused_steps if v.eng.tiered is not None else 0) for n, v in live.items()}
-        prog0 = {n: (v.eng.tiered.fused_program_seconds if v.eng.tiered is not None else 0.0)
+        fused0 = {n: (v.eng.store.fused_steps if v.eng.config.tier.enabled else 0) for n, v in live.items()}
+        prog0 = {n: (v.eng.store.fused_program_seconds if v.eng.config.tier.enabled else 0.0)
                  for n, v in live.items()}
         times = interleaved({n: (lambda v=v: v.timed(s["steps"])) for n, v in live.items()}, s["repeats"],
                             desc=f"tiers @ {s['context']}")
@@ -163,13 +162,13 @@ def tiers(ctx: Context) -> RowResult:
                 rec.update({"speed_vs_tiered100_" + k: x
                             for k, x in ratio_stats(times["tiered 100%"], times[name]).items()})
             if tier is not None:
-                rec["device_slots_per_layer"] = v.eng.tiered.n_slots
+                rec["device_slots_per_layer"] = v.eng.store.n_slots
                 rec["fused_decode"] = tier.fused_decode
-                rec["fused_steps"] = v.eng.tiered.fused_steps - fused0[name]
+                rec["fused_steps"] = v.eng.store.fused_steps - fused0[name]
                 rec["timed_steps"] = n
                 # Share of the timed steps spent inside the one-program step (its callbacks included);
                 # the rest is the host's bookkeeping around it.
-                prog = v.eng.tiered.fused_program_seconds - prog0[name]
+                prog = v.eng.store.fused_program_seconds - prog0[name]
                 rec["program_share"] = prog / (sum(times[name]) * s["steps"]) if rec["fused_steps"] else None
             records.append(rec)
     finally:

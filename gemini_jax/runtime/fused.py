@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -34,11 +35,15 @@ import numpy as np
 from flax import nnx
 from jax.experimental import io_callback
 
-from gemini_jax.attention import digests as D
 from gemini_jax.attention.select import compact_shift, select_step
 from gemini_jax.attention.sparse import sparse_attention
-from gemini_jax.cache.paged import write_pages
+from gemini_jax.cache.paged import Span, write_layer
+from gemini_jax.cache.store import DeviceKV
+from gemini_jax.config import ModelConfig, SparseConfig
+from gemini_jax.runtime.batch import CallArrays
+from gemini_jax.runtime.context import RunContext
 from gemini_jax.tiers.errors import TierError
+from gemini_jax.tiers.kv_store import TieredStore
 
 
 # Pages one callback hands back. Small: a round trip without misses costs nothing, and the
@@ -46,17 +51,35 @@ from gemini_jax.tiers.errors import TierError
 FETCH_BATCH = 16
 
 
-def _program(graphdef, host, *, L, windows, sp, sp_ahead, depth, kind, block_size, M, K, S, D_,
-             dtype, n_slots, num_pages, scale, cap):
-    """The jitted step for one static setting (built once per `FusedDecode` and batch shape)."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FusedSpec:
+    """The static setting of one program: the model's shapes, selection, lookahead and sizes."""
 
-    def run(k_slots, v_slots, digests, params, tokens, positions, bt, ends, p2s, inv_freq):
+    model_cfg: ModelConfig
+    sp: SparseConfig
+    sp_ahead: Optional[SparseConfig]  # the lookahead's selection (None: no lookahead)
+    depth: int  # prefetch depth (layers ahead)
+    block_size: int
+    fetch_batch: int  # pages one callback hands back
+    dtype: Any  # of the slots
+
+
+def _program(graphdef, host, spec: FusedSpec):
+    """The jitted step for one static setting (built once per `FusedDecode` and batch shape)."""
+    cfg, sp, sp_ahead, depth = spec.model_cfg, spec.sp, spec.sp_ahead, spec.depth
+    L, block_size, M = cfg.num_layers, spec.block_size, spec.fetch_batch
+    K, S, D = cfg.num_kv_heads, spec.block_size, cfg.head_dim
+    windows = tuple(int(w) for w in cfg.layer_windows)
+
+    def run(kv: DeviceKV, params, tokens, call: CallArrays, p2s):
         model = nnx.merge(graphdef, params)
+        k_slots, v_slots, digests = kv
+        positions, bt, ends = call.positions, call.page_table, call.lengths
+        inv_freq, unrope = call.inv_freq, call.unrope  # unrope: digests of keys before rope
         h = model.embed_tokens(tokens)
-        unrope = inv_freq if sp.score_distance > 0 else None  # digests of keys before rope
         sels = []
         ids = jax.ShapeDtypeStruct((M,), jnp.int32)
-        page = jax.ShapeDtypeStruct((M, K, S, D_), dtype)
+        page = jax.ShapeDtypeStruct((M, K, S, D), spec.dtype)
         fetch_shapes = (jax.ShapeDtypeStruct((), jnp.bool_), ids, ids, ids, page, page)  # ok, slots, pages, evicted, k, v
 
         for layer in range(L):
@@ -70,9 +93,9 @@ def _program(graphdef, host, *, L, windows, sp, sp_ahead, depth, kind, block_siz
                         io_callback(functools.partial(host.speculate, j), None, guess, ordered=False)
             slot_table = p2s[layer][bt]
             q, k, v = model.layer_qkv(layer, h, positions)
-            k_slots, v_slots = write_pages(k_slots, v_slots, layer, k, v, positions, slot_table, ends)
-            digests = D.update(kind, digests, k_slots, layer, positions, slot_table, ends, digest_tables=bt,
-                               unrope=unrope)
+            k_slots, v_slots, digests = write_layer(k_slots, v_slots, digests, layer, (k, v),
+                                                    Span(positions, ends, slot_table, bt), digest_kind=sp.digest,
+                                                    unrope=unrope)
             sel = select_step(sp, digests[layer], q, positions, bt, block_size=block_size, window=windows[layer],
                               lengths=ends, inv_freq=unrope)
             phys = jnp.where(sel >= 0, jnp.take_along_axis(bt[:, None, :], jnp.maximum(sel, 0), axis=2), 0)
@@ -101,23 +124,23 @@ def _program(graphdef, host, *, L, windows, sp, sp_ahead, depth, kind, block_siz
                                                  k_slots, v_slots, p2s)
             shift = compact_shift(sel, block_size) if sp.positions == "compact" else None
             out = sparse_attention(q, positions, k_slots[layer], v_slots[layer], p2s[layer][bt], ends, sel,
-                                   scale=scale, cap=cap, window=windows[layer], page_shift=shift,
+                                   scale=cfg.scale, cap=cfg.attn_softcap, window=windows[layer], page_shift=shift,
                                    inv_freq=None if shift is None else inv_freq)
             h = model.layer_finish(layer, h, out.astype(q.dtype))
             sels.append(sel)
         logits = model.logits(h)[:, -1]
-        return logits, k_slots, v_slots, digests, jnp.stack(sels)
+        return logits, DeviceKV(k_slots, v_slots, digests), jnp.stack(sels)
 
-    return jax.jit(run, donate_argnums=(0, 1, 2))
+    return jax.jit(run, donate_argnums=(0,))
 
 
 class FusedDecode:
-    """Host side of the one-program decode step of a `TieredRunner`: builds the program, serves
-    its callbacks, and does the step's bookkeeping afterwards."""
+    """Host side of the one-program decode step of a `TieredRunner`: builds the program and serves
+    its callbacks (the runner does the step's bookkeeping afterwards)."""
 
-    def __init__(self, runner):
-        self.r = runner
-        self.t = runner.t
+    def __init__(self, store: TieredStore, ctx: RunContext):
+        self.t = store
+        self.ctx = ctx
         self._programs: dict = {}
         self._error: Exception | None = None
         self.batch = FETCH_BATCH
@@ -125,15 +148,15 @@ class FusedDecode:
 
     def usable(self, B: int) -> bool:
         """Whether a step of B sequences runs as one program (else: layer by layer)."""
-        e, t = self.r.eng, self.t
-        sp = e.config.sparse
+        ctx, t = self.ctx, self.t
+        sp = ctx.config.sparse
         if not (sp.enabled and sp.dense_layers == 0 and t.mesh is None and t.tc.fused_decode
                 and t.selection_edit is None):
             return False
         # One layer's selection (every kv head may pick different pages) plus the pinned pages
         # must fit its slots at once.
-        pins = max(t.slots.pinned_count(layer) for layer in range(e.model_cfg.num_layers))
-        return B * e.model_cfg.num_kv_heads * (sp.budget // t.S) + pins <= t.slots.capacity
+        pins = max(t.slots.pinned_count(layer) for layer in range(ctx.model_cfg.num_layers))
+        return B * ctx.model_cfg.num_kv_heads * (sp.budget // t.S) + pins <= t.slots.capacity
 
     # ---- callbacks (run on the host while the program waits) ---------------------------------
     def serve(self, layer: int, phys, missing):
@@ -143,12 +166,12 @@ class FusedDecode:
         # Callbacks may receive jax arrays: index them as numpy (a jax boolean index is an eager
         # op with a data-dependent shape, compiled anew on every call).
         phys, missing = np.asarray(phys), np.asarray(missing)
-        K, S, D_ = t.cfg.num_kv_heads, t.S, t.cfg.head_dim
+        K, S, D = t.cfg.num_kv_heads, t.S, t.cfg.head_dim
         slots = np.full(M, t.n_slots + 1, np.int32)
         pages = np.full(M, t.num_pages, np.int32)
         evicted = np.full(M, t.num_pages, np.int32)
-        ks = np.zeros((M, K, S, D_), t.np_dtype)
-        vs = np.zeros((M, K, S, D_), t.np_dtype)
+        ks = np.zeros((M, K, S, D), t.np_dtype)
+        vs = np.zeros((M, K, S, D), t.np_dtype)
         if self._error is not None:
             return np.bool_(False), slots, pages, evicted, ks, vs
         try:
@@ -183,28 +206,31 @@ class FusedDecode:
 
     # ---- the step ----------------------------------------------------------------------------
     def program(self, B: int, W: int):
-        e, t = self.r.eng, self.t
-        cfg, sp = e.model_cfg, e.config.sparse
-        depth = t.tc.prefetch_depth
-        ahead = depth > 0 and t.tc.lookahead > 0
+        ctx, t = self.ctx, self.t
+        sp = ctx.config.sparse
         key = (B, W)
         if key not in self._programs:
-            self._programs[key] = _program(
-                e.graphdef, self, L=cfg.num_layers, windows=tuple(int(w) for w in cfg.layer_windows), sp=sp,
-                sp_ahead=dataclasses.replace(sp, budget=sp.budget * t.tc.lookahead) if ahead else None,
-                depth=depth, kind=sp.digest, block_size=t.S, M=self.batch,
-                K=cfg.num_kv_heads, S=t.S, D_=cfg.head_dim, dtype=jnp.dtype(t.dtype), n_slots=t.n_slots,
-                num_pages=t.num_pages, scale=cfg.scale, cap=cfg.attn_softcap)
+            ahead = t.tc.prefetch_depth > 0 and t.tc.lookahead > 0
+            spec = FusedSpec(model_cfg=ctx.model_cfg, sp=sp,
+                             sp_ahead=dataclasses.replace(sp, budget=sp.budget * t.tc.lookahead) if ahead else None,
+                             depth=t.tc.prefetch_depth, block_size=t.S, fetch_batch=self.batch,
+                             dtype=jnp.dtype(t.dtype))
+            self._programs[key] = _program(ctx.graphdef, self, spec)
         return self._programs[key]
 
-    def __call__(self, tokens_d, pos_d, bt, bt_d, ends, ends_d):
-        """Run the step; returns (logits, selections i32[L, B, K, k] as numpy)."""
-        t, r = self.t, self.r
+    def __call__(self, tokens_d, call: CallArrays, bt, ends):
+        """Run the step (`bt`, `ends`: the call's block tables and lengths as numpy, for the
+        callbacks); returns (logits, selections i32[L, B, K, k] as numpy)."""
+        t = self.t
         self._error = None
         self._bt, self._ends = bt, ends
         run = self.program(*bt.shape)
-        logits, t.k, t.v, t.digests, sels = run(t.k, t.v, t.digests, r.eng.params, tokens_d, pos_d, bt_d, ends_d,
-                                                jnp.array(t.page_to_slot, copy=True), r.inv_freq)
+
+        def step(kv):
+            logits, kv, sels = run(kv, self.ctx.params, tokens_d, call, jnp.array(t.page_to_slot, copy=True))
+            return kv, (logits, sels)
+
+        logits, sels = t.update(step)
         sels = np.asarray(sels)  # waits for the program (and so for every callback)
         if self._error is not None:
             err, self._error = self._error, None

@@ -1,0 +1,104 @@
+"""The pooled KV store: the one owner of the all-resident page pool on device.
+
+A KV store owns the device arrays of the cache (`DeviceKV`: K and V pages, page digests). Jitted
+steps take them in and hand them back through `update`, which is the only place they are
+replaced; sessions, snapshots and benchmarks reach pages through `gather` / `scatter` /
+`copy_pages`, never through the arrays. `gemini_jax.tiers.TieredStore` has the same interface
+over device slots and the tiers below.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gemini_jax import distributed
+from gemini_jax.attention import digests
+from gemini_jax.config import EngineConfig, ModelConfig
+
+
+class DeviceKV(NamedTuple):
+    """A store's device arrays (a pytree: jitted steps take it and return it)."""
+
+    k: jax.Array  # [layers, kv_heads, pages (or slots), block_size, head_dim]
+    v: jax.Array
+    digests: Optional[jax.Array] = None  # [layers, kv_heads, pages, R, head_dim] (sparse only)
+
+
+def create_pool(cfg: ModelConfig, num_pages: int, block_size: int, dtype):
+    """Zeroed K and V pools: the null page (0) is read under a mask, and 0 * NaN would poison outputs."""
+    shape = (cfg.num_layers, cfg.num_kv_heads, num_pages, block_size, cfg.head_dim)
+    return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+
+
+@jax.jit
+def _copy(kv: DeviceKV, src, dst) -> DeviceKV:
+    """Whole pages src[i] -> dst[i] in every layer (copy-on-write of partial pages)."""
+    dig = None if kv.digests is None else kv.digests.at[:, :, dst].set(kv.digests[:, :, src])
+    return DeviceKV(kv.k.at[:, :, dst].set(kv.k[:, :, src]), kv.v.at[:, :, dst].set(kv.v[:, :, src]), dig)
+
+
+class PooledStore:
+    """Every page of every layer in one device pool (`[layers, kv_heads, num_pages, S, D]`), with
+    digests for every page when sparse attention is on. On a mesh the arrays are sharded by kv
+    head over `model`."""
+
+    def __init__(self, model_cfg: ModelConfig, config: EngineConfig, dtype, mesh=None):
+        k, v = create_pool(model_cfg, config.num_pages, config.cache.block_size, dtype)
+        sp = config.sparse
+        dig = None
+        if sp.enabled:
+            dig = digests.create(sp.digest, model_cfg.num_layers, model_cfg.num_kv_heads, config.num_pages,
+                                 model_cfg.head_dim, jnp.dtype(sp.digest_dtype or dtype))
+        if mesh is not None:
+            k, v, dig = jax.device_put((k, v, dig), distributed.pool_sharding(mesh))
+        self._kv = DeviceKV(k, v, dig)
+
+    @property
+    def device(self) -> DeviceKV:
+        """The current arrays (read only: a step replaces them through `update`)."""
+        return self._kv
+
+    def update(self, step: Callable[[DeviceKV], tuple]):
+        """Run `step(arrays) -> (new arrays, out)`; the new arrays replace the old (which `step`
+        may have donated). Returns `out`."""
+        self._kv, out = step(self._kv)
+        return out
+
+    @property
+    def digest_itemsize(self) -> int:
+        return 0 if self._kv.digests is None else self._kv.digests.dtype.itemsize
+
+    # ---- whole pages in and out (sessions: snapshot, restore, rewind; benchmarks) --------------
+    def gather(self, pages):
+        """Every layer's KV and digests of physical `pages` -> numpy k, v [L, K, n, S, D],
+        digests [L, K, n, R, D] or None."""
+        idx = jnp.asarray(pages, jnp.int32)
+        kv = self._kv
+        dig = None if kv.digests is None else np.asarray(kv.digests[:, :, idx])
+        return np.asarray(kv.k[:, :, idx]), np.asarray(kv.v[:, :, idx]), dig
+
+    def scatter(self, pages, k, v, digests_=None, *, partial=()) -> None:
+        """Write whole pages (physical ids; k, v [L, K, n, S, D], digests [L, K, n, R, D]).
+        `partial` matters to tiered stores only (every page here is on device)."""
+        del partial
+        idx = jnp.asarray(pages, jnp.int32)
+        kv = self._kv
+        dig = kv.digests
+        if dig is not None and digests_ is not None:
+            dig = dig.at[:, :, idx].set(jnp.asarray(digests_, dig.dtype))
+        self._kv = DeviceKV(kv.k.at[:, :, idx].set(jnp.asarray(k, kv.k.dtype)),
+                            kv.v.at[:, :, idx].set(jnp.asarray(v, kv.v.dtype)), dig)
+
+    def copy_pages(self, src, dst) -> None:
+        """Private copies of pages `src` at `dst` (a rewind's copy-on-write)."""
+        self._kv = _copy(self._kv, jnp.asarray(src, jnp.int32), jnp.asarray(dst, jnp.int32))
+
+    def stats(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,28 @@
+"""Runners: what runs a batch of sequences through the model over a KV store.
+
+    runner = make_runner(ctx, batch, stats)   # contiguous, paged or tiered, by the store
+    logits = runner.prefill(row, prompt)      # then runner.decode(tokens, lengths), runner.close()
+
+All runners share the chunking of prompts (`chunking`), the per-call boundary types (`batch`),
+the counters (`counters`) and, over the page pool, one layer body (`cache.paged.write_layer`,
+`attention.select.select_step`, `attention.sparse.sparse_attention`).
+"""
+
+from gemini_jax.runtime.context import RunContext
+from gemini_jax.runtime.contiguous import ContiguousRunner
+from gemini_jax.runtime.counters import COUNTERS, new_stats
+from gemini_jax.runtime.paged import PagedRunner
+from gemini_jax.runtime.tiered import TieredRunner
+from gemini_jax.tiers.kv_store import TieredStore
+
+
+def make_runner(ctx: RunContext, batch: int, stats: dict):
+    """The runner for the engine's cache: contiguous (no store), paged, or tiered."""
+    if ctx.store is None:
+        return ContiguousRunner(ctx, batch, stats)
+    if isinstance(ctx.store, TieredStore):
+        return TieredRunner(ctx, batch, stats)
+    return PagedRunner(ctx, batch, stats)
+
+
+__all__ = ["COUNTERS", "ContiguousRunner", "PagedRunner", "RunContext", "TieredRunner", "make_runner", "new_stats"]

@@ -1,0 +1,38 @@
+"""What every runner reads, built once by the engine: the model (graph + weights), the configs,
+the page manager, the KV store and the whole-model jitted step."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import jax.numpy as jnp
+
+from gemini_jax.config import EngineConfig, ModelConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunContext:
+    """`kv` (host page bookkeeping) and `store` (device KV) are None for the contiguous cache;
+    `step(params, cache, tokens, positions, select) -> (logits f32[B, V], cache)` is the jitted
+    whole-model call over the engine's KV backend (unused by the tiered runner, which runs
+    layer by layer)."""
+
+    graphdef: Any
+    params: Any
+    model_cfg: ModelConfig
+    config: EngineConfig
+    step: Callable
+    kv: Any = None  # gemini_jax.cache.manager.KVCacheManager
+    store: Any = None  # PooledStore | TieredStore
+    mesh: Optional[Any] = None
+    seq_ids: Any = field(default_factory=itertools.count)
+
+    @property
+    def cache_dtype(self):
+        return jnp.dtype(self.config.cache.dtype or self.model_cfg.dtype)
+
+    def new_ids(self, n: int) -> list[int]:
+        """Fresh sequence ids (unique over the engine's life)."""
+        return [next(self.seq_ids) for _ in range(n)]

@@ -1,0 +1,56 @@
+"""The counters every runner reports (DESIGN.md §4), and the byte accounting they share."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gemini_jax.attention import digests
+from gemini_jax.config import EngineConfig, ModelConfig
+
+# Zero where a mechanism is not in use; `stall_seconds` is a float, the rest integers.
+COUNTERS = (
+    "prefill_tokens_computed", "prefill_tokens_reused", "decode_steps", "kv_bytes_read",
+    "digest_bytes_read", "pages_selected", "pages_fetched_host", "pages_fetched_disk",
+    "prefetch_hits", "prefetch_misses", "stall_seconds", "compute_units",
+)
+
+
+def new_stats() -> dict:
+    return {k: (0.0 if k == "stall_seconds" else 0) for k in COUNTERS}
+
+
+def page_bytes(model_cfg: ModelConfig, block_size: int, itemsize: int) -> int:
+    """Bytes of one (page, kv head) pair of K (or of V)."""
+    return block_size * model_cfg.head_dim * itemsize
+
+
+def count_decode_reads(stats: dict, config: EngineConfig, model_cfg: ModelConfig, reads: DecodeReads) -> None:
+    """Add one decode step's reads to `stats`: KV bytes (K and V of every (page, kv head) pair
+    attended, keys alone of reranked candidates), pages selected, and the digest bytes that
+    selection scored (every page of the block table in every sparse layer)."""
+    per_pair = page_bytes(model_cfg, config.cache.block_size, reads.kv_itemsize)
+    stats["kv_bytes_read"] += (2 * reads.page_reads + reads.key_reads) * per_pair
+    sp = config.sparse
+    if sp.enabled:
+        stats["pages_selected"] += reads.page_reads
+        sparse_layers = max(model_cfg.num_layers - sp.dense_layers, 0)
+        stats["digest_bytes_read"] += (sparse_layers * reads.batch * reads.table_width * model_cfg.num_kv_heads
+                                       * digests.ROWS[sp.digest] * model_cfg.head_dim * reads.digest_itemsize)
+
+
+def count_prefill(stats: dict, model_cfg: ModelConfig, tokens: int) -> None:
+    stats["prefill_tokens_computed"] += tokens
+    stats["compute_units"] += tokens * model_cfg.num_layers
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecodeReads:
+    """What one decode step read, as the runner counted it: (page, kv head) pairs attended
+    (`page_reads`) and whose keys alone were read to rerank (`key_reads`), over all layers."""
+
+    page_reads: int
+    key_reads: int
+    batch: int
+    table_width: int
+    kv_itemsize: int
+    digest_itemsize: int

@@ -1,0 +1,107 @@
+"""Runners over the page pool: `PageRunner` holds what every paged runner does (sequences in the
+page manager, prefill in chunks, decode steps, counters); `PagedRunner` runs each call as one
+jitted whole-model step over the all-resident pool (`PooledStore`)."""
+
+from __future__ import annotations
+
+import abc
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gemini_jax import distributed
+from gemini_jax.cache.paged import PagedKV
+from gemini_jax.cache.store import DeviceKV
+from gemini_jax.runtime.batch import StepBatch
+from gemini_jax.runtime.chunking import call_width, prefill_pieces
+from gemini_jax.runtime.context import RunContext
+from gemini_jax.runtime.counters import DecodeReads, count_decode_reads, count_prefill
+
+
+class PageRunner(abc.ABC):
+    """Sequences of one batch in the engine's page manager; freed on close (their full pages stay
+    cached for prefix reuse until reallocated). A subclass supplies `_call(batch) -> (logits,
+    (page_reads, key_reads, table_width))` and may extend `_reserve`."""
+
+    def __init__(self, ctx: RunContext, batch: int, stats: dict):
+        self.ctx, self.stats = ctx, stats
+        self.ids = ctx.new_ids(batch)
+        self.window = ctx.model_cfg.max_window
+
+    # ---- the runner interface -----------------------------------------------------------------
+    def prefill(self, row, toks):
+        """Add sequence `row` with prompt `toks` (reusing cached prefix pages); last logits."""
+        sid = self.ids[row]
+        reused = self.ctx.kv.add_sequence(sid, toks)
+        self.stats["prefill_tokens_reused"] += reused
+        return self._prefill_from(sid, np.asarray(toks, np.int32), reused)
+
+    def prefill_more(self, row, toks):
+        """Append `toks` to sequence `row` (an instruction after an interrupt); last logits."""
+        sid = self.ids[row]
+        have = np.asarray(self.ctx.kv.seqs[sid].tokens, np.int32)
+        return self._prefill_from(sid, np.concatenate([have, np.asarray(toks, np.int32)]), len(have))
+
+    def decode(self, nxt, lengths):
+        """One token per sequence (`nxt` i32[B]) at positions `lengths` i32[B]; next logits."""
+        ctx = self.ctx
+        for sid, n in zip(self.ids, lengths):
+            self._reserve(sid, int(n) + 1)
+        logits, (page_reads, key_reads, width) = self._call(StepBatch.decode_step(self.ids, nxt, lengths))
+        for sid, tok in zip(self.ids, nxt):
+            ctx.kv.commit(sid, [int(tok)])
+            ctx.kv.drop_outside_window(sid, self.window)
+        count_decode_reads(self.stats, ctx.config, ctx.model_cfg, DecodeReads(
+            page_reads=int(page_reads), key_reads=int(key_reads), batch=len(self.ids), table_width=width,
+            kv_itemsize=ctx.cache_dtype.itemsize, digest_itemsize=ctx.store.digest_itemsize))
+        return logits
+
+    def close(self):
+        for sid in self.ids:
+            if sid in self.ctx.kv.seqs:
+                self.ctx.kv.free(sid)
+
+    # ---- shared steps ---------------------------------------------------------------------------
+    def _prefill_from(self, sid, toks, start):
+        ctx = self.ctx
+        logits = None
+        for padded, pos, n in prefill_pieces(ctx.config, toks, start):
+            batch = StepBatch.prefill(sid, padded, pos, n)
+            self._reserve(sid, int(batch.ends[0]))
+            logits, _ = self._call(batch)
+            ctx.kv.commit(sid, padded[:n])
+            ctx.kv.drop_outside_window(sid, self.window)
+            count_prefill(self.stats, ctx.model_cfg, n)
+        return logits
+
+    def _reserve(self, sid, total):
+        self.ctx.kv.reserve(sid, total)
+
+    @abc.abstractmethod
+    def _call(self, batch: StepBatch):
+        """Run one call; -> (logits f32[B, V], (page_reads, key_reads, table_width))."""
+
+
+class PagedRunner(PageRunner):
+    """Each call is one jitted whole-model step over the all-resident pool."""
+
+    def _call(self, batch: StepBatch):
+        ctx = self.ctx
+        width = call_width(ctx.config, ctx.kv, batch.ids, batch.width)
+        tables = jnp.asarray(ctx.kv.block_tables(batch.ids, width))
+        ends = jnp.asarray(batch.ends, jnp.int32)
+        tokens, positions = jnp.asarray(batch.tokens), jnp.asarray(batch.positions)
+        if ctx.mesh is not None:  # the batch goes over the mesh's data axis (when it divides)
+            sh = distributed.batch_sharding(ctx.mesh, batch.batch, 2)
+            tokens, positions = jax.device_put(tokens, sh), jax.device_put(positions, sh)
+        select = jnp.asarray(batch.select, jnp.int32)
+
+        def step(kv: DeviceKV):
+            # Two counters, two buffers: the step donates its cache, and a buffer is donated once.
+            cache = PagedKV(kv.k, kv.v, tables, ends, kv.digests, jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
+            logits, cache = ctx.step(ctx.params, cache, tokens, positions, select)
+            # Device scalars: read (synced) by decode only.
+            return DeviceKV(cache.k, cache.v, cache.digests), (logits, (cache.page_reads, cache.key_reads, width))
+
+        return ctx.store.update(step)

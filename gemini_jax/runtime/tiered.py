@@ -1,0 +1,378 @@
+"""The runner over tiers: KV pages in a bounded set of device slots, the rest in host RAM / on
+disk (`gemini_jax.tiers.TieredStore`), run layer by layer so the host can make each layer's
+pages resident before it attends.
+
+One call (a prefill chunk or a decode step), for every layer l (DESIGN.md §7):
+
+    q, k, v   = layer l's first half                                   (device)
+    write k/v into the slots of the pages they land in; refresh those pages' digests
+    full pages go down the tiers (write-through: `TierStack.put`, disk write asynchronous)
+    needed    = the pages the queries read: top-k from digests (sparse) or every page (dense)
+    in groups that fit the free slots: admit (hits are free), fetch misses through the
+        prefetcher (staged -> hit; else a timed synchronous read = stall), copy them into
+        their slots, attend; groups merge by log-sum-exp
+    predictor -> prefetcher: start fetching what layers l+1 .. l+depth read last step, and
+        (lookahead, sparse decode) what layer l+depth (from layer 0: layers 1 .. depth) selects
+        when scored with a query made from layer l's input — dispatched before layer l's
+        selection, read after its attention; after the last layer, the next step's layer 0
+        from the embedding of this step's argmax token
+    h         = layer l's second half                                  (device)
+
+A sparse decode step that fits (see `gemini_jax.runtime.fused`) runs instead as one device
+program whose host callbacks bring only the missing pages; the layer loop above stays the path
+for prefill, dense layers, meshes and selections larger than the slots.
+
+Exactness: a page's bytes are the same in a slot, in host RAM and on disk, and digests live on
+device for every page, so selection is the all-resident selection. Attention over one group is
+the all-resident sparse attention over the same pages; over several groups (a dense layer
+whose pages do not fit) it is the same softmax, summed in parts (equal to rounding).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from gemini_jax.attention.select import compact_shift, select_step
+from gemini_jax.attention.sparse import merge_parts, sparse_attention
+from gemini_jax.cache.paged import Span, write_layer
+from gemini_jax.cache.shapes import pow2_at_least
+from gemini_jax.cache.store import DeviceKV
+from gemini_jax.errors import CacheExhausted
+from gemini_jax.model import layers
+from gemini_jax.runtime.batch import CallArrays, LayerArrays, LayerProgram, Selection, StepBatch
+from gemini_jax.runtime.chunking import call_width
+from gemini_jax.runtime.context import RunContext
+from gemini_jax.runtime.fused import FusedDecode
+from gemini_jax.runtime.paged import PageRunner
+from gemini_jax.tiers.kv_store import TieredStore
+
+
+# ---- jitted pieces (pure; the host loop strings them together) --------------------------------
+@functools.partial(jax.jit, static_argnums=0)
+def _embed(prog: LayerProgram, params, tokens):
+    return nnx.merge(prog.graphdef, params).embed_tokens(tokens)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _finish(prog: LayerProgram, params, layer_index, h, attn):
+    return nnx.merge(prog.graphdef, params).layer_finish(layer_index, h, attn)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _logits(prog: LayerProgram, params, h, select):
+    h = jnp.take_along_axis(h, select[:, None, None], axis=1)
+    return nnx.merge(prog.graphdef, params).logits(h)[:, 0]
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("sp",))
+def _lookahead(prog: LayerProgram, params, target: LayerArrays, h, call: CallArrays, digests, *, sp):
+    """Layer `target`'s selection predicted from an earlier layer's input `h` (its q projection of
+    `h` instead of its own input): what the prefetcher should bring before `target` runs."""
+    q, _, _ = nnx.merge(prog.graphdef, params).layer_qkv(target.index, h, call.positions)
+    return select_step(sp, digests[target.index], q, call.positions, call.page_table, block_size=prog.block_size,
+                       window=target.window, inv_freq=call.unrope)
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("sp",))
+def _lookahead_next(prog: LayerProgram, params, first: LayerArrays, logits, call: CallArrays, digests, *, sp):
+    """The next step's layer-0 selection, guessed from the embedding of this step's argmax token
+    (`call` holds the next step's positions)."""
+    model = nnx.merge(prog.graphdef, params)
+    h = model.embed_tokens(jnp.argmax(logits, axis=-1).astype(jnp.int32)[:, None])
+    q, _, _ = model.layer_qkv(first.index, h, call.positions)
+    return select_step(sp, digests[first.index], q, call.positions, call.page_table, block_size=prog.block_size,
+                       window=first.window, inv_freq=call.unrope)
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("sp",), donate_argnums=(1,))
+def _front(prog: LayerProgram, kv: DeviceKV, params, layer: LayerArrays, slot_table, h, call: CallArrays, *, sp):
+    """A layer's first half in one call: q/k/v, the new K/V into their slots, digests refreshed, and
+    (sp not None) the pages the queries select. One dispatch instead of three per layer.
+    -> (q, kv, selected or None)."""
+    q, k, v = nnx.merge(prog.graphdef, params).layer_qkv(layer.index, h, call.positions)
+    k_slots, v_slots, dig = write_layer(kv.k, kv.v, kv.digests, layer.index, (k, v),
+                                        Span(call.positions, call.lengths, slot_table, call.page_table),
+                                        digest_kind=prog.digest_kind, unrope=call.unrope)
+    selected = None
+    if sp is not None:
+        selected = select_step(sp, dig[layer.index], q, call.positions, call.page_table, block_size=prog.block_size,
+                               window=layer.window, lengths=call.lengths, inv_freq=call.unrope)
+    return q, DeviceKV(k_slots, v_slots, dig), selected
+
+
+def _attend_selected(prog: LayerProgram, kv: DeviceKV, layer: LayerArrays, q, view: tuple, sel: Selection, *,
+                     return_lse=False):
+    """Attention of `q` over the selected pages of `layer`'s slots. `view` = (call, slot_table)."""
+    call, slot_table = view
+    return sparse_attention(q, call.positions, kv.k[layer.index], kv.v[layer.index], slot_table, call.lengths,
+                            sel.pages, scale=prog.scale, cap=prog.cap, window=layer.window, return_lse=return_lse,
+                            page_shift=sel.shift, inv_freq=None if sel.shift is None else call.inv_freq)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _back(prog: LayerProgram, kv: DeviceKV, params, layer: LayerArrays, view: tuple, q, h, sel: Selection):
+    """A layer's second half in one call when its pages fit the slots at once: attention, then the
+    output projection and MLP. `view` = (call, slot_table)."""
+    out = _attend_selected(prog, kv, layer, q, view, sel)
+    return nnx.merge(prog.graphdef, params).layer_finish(layer.index, h, out.astype(q.dtype))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _attend(prog: LayerProgram, kv: DeviceKV, layer: LayerArrays, q, view: tuple, sel: Selection, acc):
+    """Attention over one group of pages, merged into `acc` = (out, lse) of the groups before
+    (None: the first group)."""
+    out, lse = _attend_selected(prog, kv, layer, q, view, sel, return_lse=True)
+    if acc is None:  # the first group: nothing to merge with
+        return out.astype(q.dtype), lse
+    return merge_parts(acc[0], acc[1], out, lse)
+
+
+class TieredRunner(PageRunner):
+    """Sequences of one batch, run layer by layer over a `TieredStore`."""
+
+    def __init__(self, ctx: RunContext, batch: int, stats: dict):
+        super().__init__(ctx, batch, stats)
+        self.t: TieredStore = ctx.store
+        cfg, sp = ctx.model_cfg, ctx.config.sparse
+        self.prog = LayerProgram(graphdef=ctx.graphdef, digest_kind=sp.digest if sp.enabled else None,
+                                 block_size=self.t.S, scale=cfg.scale, cap=cfg.attn_softcap)
+        self.inv_freq = jnp.asarray(layers.inv_frequencies(cfg.rope, cfg.head_dim))
+        # sparse.score_distance: digests of keys before rope, queries turned to that distance.
+        self.unrope = self.inv_freq if sp.enabled and sp.score_distance > 0 else None
+        self.layers = [LayerArrays(i, w) for i, w in zip(self.t.layer_ids, self.t.windows)]
+        self.fused = FusedDecode(self.t, ctx)
+
+    # ---- bookkeeping ----------------------------------------------------------------------------
+    def _reserve(self, sid, total):
+        seq = self.ctx.kv.seqs[sid]
+        before = len(seq.pages)
+        self.ctx.kv.reserve(sid, total)
+        self.t.forget(seq.pages[before:])
+
+    def _pins(self, bt, starts, ends):
+        t, S, kv = self.t, self.t.S, self.ctx.kv
+        # Every live sequence of the batch keeps its sink and last pages (its partial page among
+        # them) pinned, not only the ones in this call: prefill runs one sequence at a time.
+        # A call continues the partial page that was the last before it and pins the pages after it.
+        live = [s for s in self.ids if s in kv.seqs]
+        width = max(len(kv.seqs[s].pages) for s in live)
+        fixed = t.hot.fixed(kv.block_tables(live, width), [kv.seqs[s].num_tokens for s in live], block_size=S)
+        fixed |= t.hot.fixed(bt, starts, block_size=S) | t.hot.fixed(bt, ends, block_size=S)
+        t.slots.set_pins("fixed", fixed)
+
+    # ---- one call, layer by layer -----------------------------------------------------------------
+    def _call(self, batch: StepBatch):
+        ctx, t = self.ctx, self.t
+        cfg, sp = ctx.model_cfg, ctx.config.sparse
+        S, L = t.S, cfg.num_layers
+        width = call_width(ctx.config, ctx.kv, batch.ids, batch.width)
+        bt = ctx.kv.block_tables(batch.ids, width)  # page ids, 0 = null
+        starts, ends, positions = batch.starts, batch.ends, batch.positions
+        self._pins(bt, starts, ends)
+        B, T = batch.tokens.shape
+        # Copies: jax may alias host buffers, and callers reuse theirs while our calls still run.
+        tokens_d = jnp.array(batch.tokens, jnp.int32, copy=True)
+        call = CallArrays(jnp.array(positions, jnp.int32, copy=True), jnp.array(bt, copy=True),
+                          jnp.array(ends, jnp.int32, copy=True), self.inv_freq, self.unrope)
+        windows = cfg.layer_windows
+        before = dict(t.prefetcher.stats)
+        reads = 0
+        # Pages written by this call, and those it fills (which then go below), per row.
+        written = [list(range(int(s) // S, (int(en) - 1) // S + 1)) for s, en in zip(starts, ends)]
+        filled = [[p for p in w if (p + 1) * S <= int(en)] for w, en in zip(written, ends)]
+        # A row's first written page holds earlier tokens unless the call starts on a page boundary.
+        continued = sorted({int(bt[b, w[0]]) for b, (w, s) in enumerate(zip(written, starts)) if int(s) % S})
+        fresh = sorted({int(bt[b, p]) for b in range(B) for p in written[b]} - set(continued))
+        fill_pages_ids = sorted({int(bt[b, p]) for b in range(B) for p in filled[b]})
+        if batch.decode and self.fused.usable(B):
+            t.fused_steps += 1
+            writes = (continued, fresh, fill_pages_ids)
+            logits, reads = self._call_fused(batch, bt, tokens_d, call, writes, before)
+            return logits, (reads, 0, width)
+        h = _embed(self.prog, ctx.params, tokens_d)
+        depth = t.tc.prefetch_depth
+        ahead_on = batch.decode and sp.enabled and depth > 0 and t.tc.lookahead > 0
+        # The lookahead guesses roughly: it selects `lookahead` x the budget.
+        sp_ahead = dataclasses.replace(sp, budget=sp.budget * t.tc.lookahead) if ahead_on else None
+        for layer in range(L):
+            here = self.layers[layer]
+            window = int(windows[layer])
+            # Lookahead targets: layer l+depth; layer 0 also covers 1 .. depth-1 (no earlier input
+            # exists in this step). Dispatched now, read after this layer attends.
+            targets = range(1, depth + 1) if layer == 0 else (layer + depth,)
+            ahead = {j: _lookahead(self.prog, ctx.params, self.layers[j], h, call, t.device.digests, sp=sp_ahead)
+                     for j in targets if ahead_on and sp.dense_layers <= j < L}
+            # The pages written here: fresh ones need no fetch; a continued partial page is pinned.
+            try:
+                t.admit(layer, continued + fresh, fetch=set(continued))
+            except CacheExhausted as err:
+                raise CacheExhausted(
+                    f"this call writes {len(continued + fresh)} pages per layer, which with the pinned pages "
+                    f"do not fit {t.slots.capacity} device slots: lower prefill_chunk or max_batch, or raise "
+                    f"tier.device_pages / device_fraction. ({err})") from None
+            slot_table = t.page_to_slot[layer][bt]  # fresh array: passed as is (no eager device_put)
+            sparse_here = sp.enabled and layer >= sp.dense_layers and (T == 1 or sp.sparse_prefill)
+
+            def front(kv, here=here, slot_table=slot_table, h=h, sp_here=sp if sparse_here else None):
+                q, kv, selected = _front(self.prog, kv, ctx.params, here, slot_table, h, call, sp=sp_here)
+                return kv, (q, selected)
+
+            q, sel_d = t.update(front)
+            t.put_below(layer, fill_pages_ids)
+            # Which pages the queries read.
+            shift = None
+            if sparse_here:
+                selected = np.asarray(sel_d)
+                if t.selection_edit is not None:
+                    selected = np.asarray(t.selection_edit(layer, batch.decode, np.array(positions), selected),
+                                          np.int32)
+                if sp.positions == "compact":  # from the whole selection, before it splits into groups
+                    shift = compact_shift(selected, S)
+                if t.selection_log is not None:
+                    t.selection_log.append({"layer": layer, "decode": batch.decode, "selected": selected,
+                                            "positions": np.array(positions)})
+            else:
+                selected = self._dense_needed(bt, positions, ends, window)
+            reads += int(np.sum(selected >= 0)) * (cfg.num_kv_heads if selected.shape[1] == 1 else 1)
+            if selected.shape[1] == 1:
+                selected = np.broadcast_to(selected, (B, cfg.num_kv_heads, selected.shape[2]))
+            if batch.decode:
+                t.hot.record((layer, int(bt[b, p])) for b in range(B) for p in np.unique(selected[b])
+                             if p >= 0 and bt[b, p] != 0)
+            t.predictor.observe(layer, bt, selected, ends)
+            h = self._attend_groups(layer, q, (call, bt), Selection(selected, shift), h)
+            t.prefetcher.release_layer(layer)
+            for j, sel_j in ahead.items():
+                t.predictor.speculate(j, bt, np.asarray(sel_j), ends)
+            t.prefetch(t.predictor.predict(layer))
+        logits = _logits(self.prog, ctx.params, h, np.asarray(batch.select, np.int32))
+        if ahead_on and sp.dense_layers == 0:
+            self._guess_next_layer0(logits, call, bt, ends)
+            t.prefetch(t.predictor.lookahead_keys(0))
+        if batch.decode:
+            hot = t.hot.end_step()
+            t.slots.set_pins("hot", hot)
+        self._count_prefetch(before)
+        return logits, (reads, 0, width)
+
+    def _guess_next_layer0(self, logits, call: CallArrays, bt, ends) -> None:
+        """The next step's layer 0 has no earlier layer to guess from: score its digests with the
+        embedding of this step's argmax token (when the next token still fits the block table)."""
+        t = self.t
+        if int(np.max(ends)) >= bt.shape[1] * t.S:
+            return
+        sp = self.ctx.config.sparse
+        sp_ahead = dataclasses.replace(sp, budget=sp.budget * t.tc.lookahead)
+        nxt = _lookahead_next(self.prog, self.ctx.params, self.layers[0], logits,
+                              call._replace(positions=call.positions + 1), t.device.digests, sp=sp_ahead)
+        t.predictor.speculate(0, bt, np.asarray(nxt), np.asarray(ends) + 1)
+
+    def _count_prefetch(self, before: dict) -> None:
+        """Add the prefetcher's counters since `before` (a copy of its stats) to the run's."""
+        now = self.t.prefetcher.stats
+        for key in ("prefetch_hits", "prefetch_misses", "pages_fetched_host", "pages_fetched_disk", "stall_seconds"):
+            self.stats[key] += now[key] - before[key]
+
+    def _call_fused(self, batch: StepBatch, bt, tokens_d, call: CallArrays, writes: tuple, before: dict):
+        """A sparse decode step as one device program (`gemini_jax.runtime.fused`); the host's
+        bookkeeping for the step runs after it. `writes` = (continued, fresh, filled) page ids."""
+        t, L = self.t, self.ctx.model_cfg.num_layers
+        continued, fresh, fill_pages_ids = writes
+        for layer in range(L):  # the pages this step writes: resident before the program runs
+            t.admit(layer, continued + fresh, fetch=set(continued))
+        t0 = time.perf_counter()
+        logits, sels = self.fused(tokens_d, call, bt, np.asarray(batch.ends))
+        t.fused_program_seconds += time.perf_counter() - t0
+        reads = 0
+        for layer in range(L):
+            selected = sels[layer]
+            if t.selection_log is not None:
+                t.selection_log.append({"layer": layer, "decode": True, "selected": selected,
+                                        "positions": np.array(batch.positions)})
+            reads += int(np.sum(selected >= 0))
+            phys = np.take_along_axis(bt[:, None, :], np.maximum(selected, 0), axis=2)[selected >= 0]
+            keys = [(layer, int(p)) for p in np.unique(phys) if p != 0]
+            for key in keys:  # the program read them: they are the layer's most recently used
+                t.slots.touch(key)
+            t.hot.record(keys)
+            if t.tc.prefetch_depth > 0:  # history feeds only the prefetcher
+                t.predictor.observe(layer, bt, selected, batch.ends)
+            t.put_below(layer, fill_pages_ids)
+            t.prefetcher.release_layer(layer)
+        if t.tc.prefetch_depth > 0 and t.tc.lookahead > 0:
+            self._guess_next_layer0(logits, call, bt, batch.ends)
+        for layer in range(L):  # the next step's guesses (layer 0's lookahead first)
+            t.prefetch(t.predictor.predict(layer))
+        t.slots.set_pins("hot", t.hot.end_step())
+        self._count_prefetch(before)
+        return logits, reads
+
+    def _dense_needed(self, bt, positions, ends, window):
+        """Every page a dense layer reads: [B, 1, n] logical ids, -1 padded (window-aware)."""
+        S = self.t.S
+        rows = []
+        for b in range(bt.shape[0]):
+            n_pages = -(-int(ends[b]) // S)
+            p = np.arange(n_pages)
+            keep = bt[b, :n_pages] != 0
+            if window > 0:  # pages wholly outside every query's window are never read
+                keep &= (p + 1) * S - 1 > int(positions[b, 0]) - window
+            rows.append(p[keep])
+        n = max(1, max(len(r) for r in rows))
+        out = np.full((bt.shape[0], 1, n), -1, np.int32)
+        for b, r in enumerate(rows):
+            out[b, 0, :len(r)] = r
+        return out
+
+    def _attend_groups(self, layer, q, where: tuple, sel: Selection, h):
+        """Layer `layer`'s second half: attention over `sel.pages` [B, K, n] in column groups whose
+        pages fit the free slots, then the rest of the layer on `h`. `where` = (call, block
+        tables). Returns the layer's output."""
+        t, ctx = self.t, self.ctx
+        call, bt = where
+        selected, shift = sel
+        B, K, n = selected.shape
+        pinned = t.pinned_resident(layer)
+
+        def pages_of(cols):
+            s = selected[:, :, cols]
+            # Page id 0 is the null page (a padded prefill chunk may select past the sequence's
+            # end): its slot 0 holds zeros, masked by the lengths, and it is never admitted.
+            return {int(bt[b, p]) for b in range(B) for p in np.unique(s[b]) if p >= 0} - {0}
+
+        # The largest power-of-two split of the columns whose every group fits.
+        groups = 1
+        while True:
+            size = -(-n // groups)
+            parts = [slice(i, min(i + size, n)) for i in range(0, n, size)]
+            sets = [pages_of(c) for c in parts]
+            if all(len(s | pinned) <= t.slots.capacity for s in sets):
+                break
+            if size == 1:
+                raise CacheExhausted(
+                    f"layer {layer}: one column of the selection needs {max(len(s) for s in sets)} pages but "
+                    f"{t.slots.capacity} device slots, {len(pinned)} of them pinned, cannot hold them; "
+                    f"raise tier.device_pages / device_fraction or lower the batch, prefill_chunk or pins.")
+            groups *= 2
+        here = self.layers[layer]
+        if len(parts) == 1:  # the common case: one fused call
+            t.admit(layer, sorted(sets[0]), fetch=True)
+            return _back(self.prog, t.device, ctx.params, here, (call, t.page_to_slot[layer][bt]), q, h,
+                         Selection(selected, shift))
+        acc = None
+        for cols, pages in zip(parts, sets):
+            t.admit(layer, sorted(pages), fetch=True)
+            part = selected[:, :, cols]
+            sh = None if shift is None else shift[:, :, cols]
+            pad = ((0, 0), (0, 0), (0, pow2_at_least(part.shape[2]) - part.shape[2]))  # few shapes compile
+            part = np.pad(part, pad, constant_values=-1)
+            sh = None if sh is None else np.pad(sh, pad)
+            acc = _attend(self.prog, t.device, here, q, (call, t.page_to_slot[layer][bt]), Selection(part, sh), acc)
+        return _finish(self.prog, ctx.params, here.index, h, acc[0])
