@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any, Optional
 
 from gemini_jax.errors import ConfigError
@@ -23,6 +24,14 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "tiny")
 def _require(cond: bool, message: str) -> None:
     if not cond:
         raise ConfigError(message)
+
+
+def _nested(obj, name: str, cls) -> None:
+    """Field `name` of the frozen config `obj`, given as a mapping (a Hydra node, a dict), becomes
+    a `cls` through `from_dict` (the one mapping -> config path)."""
+    value = getattr(obj, name)
+    if isinstance(value, Mapping):
+        object.__setattr__(obj, name, from_dict(cls, value, where=f"{type(obj).__name__}.{name}"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,10 +89,8 @@ class ModelConfig:
     dtype: str = "float32"
 
     def __post_init__(self):
-        if isinstance(self.rope, dict):
-            object.__setattr__(self, "rope", RopeConfig(**self.rope))
-        if isinstance(self.local_rope, dict):
-            object.__setattr__(self, "local_rope", RopeConfig(**self.local_rope))
+        _nested(self, "rope", RopeConfig)
+        _nested(self, "local_rope", RopeConfig)
         if not self.layer_windows:
             object.__setattr__(self, "layer_windows", (0,) * self.num_layers)
         object.__setattr__(self, "layer_windows", tuple(int(w) for w in self.layer_windows))
@@ -379,6 +386,24 @@ class TierConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class MeshConfig:
+    """A (data, model) device mesh: batches go over `data`, attention heads and MLP columns over
+    `model` (1 x 1: one device, no sharding)."""
+
+    data: int = 1
+    model: int = 1
+
+    def __post_init__(self):
+        for name in ("data", "model"):
+            value = getattr(self, name)
+            _require(_is_int(value) and value >= 1, f"mesh.{name}={value!r} must be an integer >= 1.")
+
+    @property
+    def devices(self) -> int:
+        return self.data * self.model
+
+
+@dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     """How the engine runs a model: sequence limits, prefill chunking, cache, attention path.
 
@@ -393,16 +418,11 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     sparse: SparseConfig = field(default_factory=SparseConfig)
     tier: TierConfig = field(default_factory=TierConfig)
-    # {data: D, model: M}: shard over D x M devices (1 x 1: one device, no sharding)
-    mesh: dict = field(default_factory=lambda: {"data": 1, "model": 1})
+    mesh: MeshConfig = field(default_factory=MeshConfig)  # {data: D, model: M}: shard over D x M devices
 
     def __post_init__(self):
-        if isinstance(self.cache, dict):
-            object.__setattr__(self, "cache", CacheConfig(**self.cache))
-        if isinstance(self.sparse, dict):
-            object.__setattr__(self, "sparse", SparseConfig(**self.sparse))
-        if isinstance(self.tier, dict):
-            object.__setattr__(self, "tier", TierConfig(**self.tier))
+        for name, cls in (("cache", CacheConfig), ("sparse", SparseConfig), ("tier", TierConfig), ("mesh", MeshConfig)):
+            _nested(self, name, cls)
         _require(isinstance(self.max_seq_len, int) and self.max_seq_len > 0,
                  f"max_seq_len={self.max_seq_len!r} must be a positive integer.")
         _require(isinstance(self.max_batch, int) and self.max_batch > 0,
@@ -411,7 +431,6 @@ class EngineConfig:
                  f"prefill_chunk={self.prefill_chunk!r} must be a positive integer.")
         _require(self.attention_impl in ("xla", "pallas"),
                  f"attention_impl={self.attention_impl!r} must be 'xla' or 'pallas'.")
-        object.__setattr__(self, "mesh", {str(k): int(v) for k, v in dict(self.mesh or {}).items()})
         c = self.cache
         if c.kind == "paged" and c.num_pages is not None:
             need = -(-self.max_seq_len // c.block_size) + 1
@@ -444,14 +463,10 @@ class EngineConfig:
                      f"page on device (it is not stored below until full); it must be >= 1.")
             t.device_slots(self.num_pages)  # raises ConfigError when the budget exceeds the pool
 
-    def __hash__(self):  # the mesh dict is not hashable; everything else is
-        return hash((self.max_seq_len, self.max_batch, self.prefill_chunk, self.attention_impl, self.cache,
-                     self.sparse, self.tier, tuple(sorted((self.mesh or {}).items()))))
-
     @property
     def mesh_devices(self) -> int:
         """Devices the mesh spans (1: no sharding)."""
-        return self.mesh.get("data", 1) * self.mesh.get("model", 1)
+        return self.mesh.devices
 
     @property
     def pages_per_seq(self) -> int:
@@ -467,30 +482,20 @@ def replace(cfg, **changes):
     return dataclasses.replace(cfg, **changes)
 
 
-def from_dict(cls, data: dict[str, Any]):
-    """Build a config dataclass from a plain mapping (e.g. a Hydra node), refusing unknown keys."""
+def from_dict(cls, data: Mapping[str, Any], *, where: str | None = None):
+    """Build a config dataclass from a plain mapping (e.g. a Hydra node), refusing unknown keys.
+    Nested configs may be mappings too: each config's `__post_init__` sends them back here."""
+    where = where or cls.__name__
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where} must be a mapping of {cls.__name__} fields, got {type(data).__name__}.")
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
-        raise ConfigError(f"{cls.__name__} got unknown field(s) {unknown}; allowed: {sorted(names)}.")
-    kwargs = dict(data)
-    if cls is EngineConfig:
-        for key, sub in (("cache", CacheConfig), ("sparse", SparseConfig)):
-            if isinstance(kwargs.get(key), dict):
-                try:
-                    kwargs[key] = sub(**kwargs[key])
-                except TypeError as e:
-                    raise ConfigError(f"{sub.__name__}: {e}") from None
-    if cls is ModelConfig:
-        for key in ("rope", "local_rope"):
-            if isinstance(kwargs.get(key), dict):
-                kwargs[key] = RopeConfig(**kwargs[key])
-        if "layer_windows" in kwargs and kwargs["layer_windows"] is not None:
-            kwargs["layer_windows"] = tuple(kwargs["layer_windows"])
+        raise ConfigError(f"{where} got unknown field(s) {unknown}; allowed: {sorted(names)}.")
     try:
-        return cls(**kwargs)
+        return cls(**data)
     except TypeError as e:  # missing required field
-        raise ConfigError(f"{cls.__name__}: {e}") from None
+        raise ConfigError(f"{where}: {e}") from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -507,7 +512,7 @@ class HardwareConfig:
     disk_iops: Optional[float] = None
     dtype: str = "bfloat16"
     attention_impl: str = "xla"  # xla | pallas
-    mesh: dict = field(default_factory=lambda: {"data": 1, "model": 1})
+    mesh: MeshConfig = field(default_factory=MeshConfig)
     present: bool = False  # True only for the tier that describes the machine we run on
     notes: str = ""
     # Emulation on a machine without this hardware (gemini_jax.tiers.emulate): the reference
@@ -518,13 +523,12 @@ class HardwareConfig:
     host_reserve_gb: float = 16.0  # the OS, the process, pinned staging
 
     def __post_init__(self):
+        _nested(self, "mesh", MeshConfig)
         _require(self.device_memory_gb > 0, f"device_memory_gb={self.device_memory_gb} must be > 0.")
         _require(self.host_memory_gb > 0, f"host_memory_gb={self.host_memory_gb} must be > 0.")
         _require(self.dtype in DTYPES, f"hardware dtype={self.dtype!r} must be one of {DTYPES}.")
         _require(self.attention_impl in ("xla", "pallas"),
                  f"attention_impl={self.attention_impl!r} must be 'xla' or 'pallas'.")
-        for k, v in self.mesh.items():
-            _require(isinstance(v, int) and v >= 1, f"mesh.{k}={v!r} must be an integer >= 1.")
         _require(_is_int(self.reference_context) and self.reference_context >= 1,
                  f"hardware reference_context={self.reference_context!r} must be an integer >= 1.")
         _require(0 <= self.device_reserve_gb <= self.device_memory_gb,
@@ -532,9 +536,6 @@ class HardwareConfig:
                  f"{self.device_memory_gb}].")
         _require(0 <= self.host_reserve_gb <= self.host_memory_gb,
                  f"hardware host_reserve_gb={self.host_reserve_gb} must be in [0, host_memory_gb={self.host_memory_gb}].")
-
-    def __hash__(self):
-        return hash((self.name, tuple(sorted(self.mesh.items()))))
 
 
 def windows_spec(num_layers: int, window: int, pattern: int = 0) -> list[int]:

@@ -18,7 +18,7 @@ from typing import Optional
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from gemini_jax.config import ModelConfig
+from gemini_jax.config import MeshConfig, ModelConfig
 from gemini_jax.errors import ConfigError
 
 AXES = ("data", "model")
@@ -33,15 +33,9 @@ _LAYER_SPECS = {
 POOL_SPEC = P(None, "model", None, None, None)  # [layers, kv_heads, pages, block, head_dim]
 
 
-def make_mesh(shape: dict, cfg: Optional[ModelConfig] = None) -> Mesh:
+def make_mesh(shape: MeshConfig, cfg: Optional[ModelConfig] = None) -> Mesh:
     """A (data, model) mesh; ConfigError if it does not fit the devices or the model's heads."""
-    unknown = sorted(set(shape) - set(AXES))
-    if unknown:
-        raise ConfigError(f"mesh has unknown axes {unknown}; allowed: {list(AXES)} (e.g. {{data: 1, model: 8}}).")
-    dims = tuple(int(shape.get(a, 1)) for a in AXES)
-    for a, d in zip(AXES, dims):
-        if d < 1:
-            raise ConfigError(f"mesh.{a}={d} must be >= 1.")
+    dims = (shape.data, shape.model)
     n = dims[0] * dims[1]
     have = jax.device_count()
     if n > have:

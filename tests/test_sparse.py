@@ -7,6 +7,7 @@ import pytest
 import gemini_jax as gj
 from gemini_jax.attention import page_scores, select_pages
 from gemini_jax.attention.digests import page_digest
+from gemini_jax.attention.views import PageView, Selection
 from gemini_jax.errors import ConfigError
 from helpers import FAMILIES, random_model, random_prompts, tiny_config
 
@@ -199,15 +200,15 @@ def test_page_shift_equals_keys_roped_at_the_new_position():
     bt = np.arange(P, dtype=np.int32)[None]
     lengths = np.array([P * S])
     kw = dict(scale=D ** -0.5)
-    got = sparse_attention(q, jnp.asarray(qpos), jnp.asarray(rope_keys(np.arange(P))), jnp.asarray(v), bt, lengths,
-                           jnp.asarray(sel), page_shift=jnp.asarray(shift * S), inv_freq=inv, **kw)
+    got = sparse_attention((q, jnp.asarray(qpos)), (jnp.asarray(rope_keys(np.arange(P))), jnp.asarray(v)),
+                           PageView(bt, lengths), Selection(jnp.asarray(sel), jnp.asarray(shift * S), inv), **kw)
     moved = np.arange(P).copy()
     moved[1], moved[5] = 7, 7
-    want = sparse_attention(q, jnp.asarray(qpos), jnp.asarray(rope_keys(moved)), jnp.asarray(v), bt, lengths,
-                            jnp.asarray(sel), **kw)
+    want = sparse_attention((q, jnp.asarray(qpos)), (jnp.asarray(rope_keys(moved)), jnp.asarray(v)),
+                            PageView(bt, lengths), Selection(jnp.asarray(sel)), **kw)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
-    plain = sparse_attention(q, jnp.asarray(qpos), jnp.asarray(rope_keys(np.arange(P))), jnp.asarray(v), bt,
-                             lengths, jnp.asarray(sel), **kw)
+    plain = sparse_attention((q, jnp.asarray(qpos)), (jnp.asarray(rope_keys(np.arange(P))), jnp.asarray(v)),
+                             PageView(bt, lengths), Selection(jnp.asarray(sel)), **kw)
     assert np.max(np.abs(np.asarray(plain) - np.asarray(want))) > 1e-3  # the shift matters
 
 
@@ -238,7 +239,7 @@ def test_padding_queries_do_not_score_pages():
             qq = q.copy()
             for b in range(B):
                 qq[b, n_real[b]:] = rng.normal(scale=50.0, size=(T - n_real[b], H, D))
-            got = np.asarray(select_step(sp, dig, jnp.asarray(qq), q_pos, tables, block_size=S, lengths=lengths))
+            got = np.asarray(select_step(sp, dig, (jnp.asarray(qq), q_pos), PageView(tables, lengths), block_size=S))
             want = got if want is None else want
             np.testing.assert_array_equal(got, want)
             picked = np.asarray(scoring_queries(jnp.asarray(qq), q_pos, lengths, sq)[0])
@@ -313,8 +314,8 @@ def test_score_distance_digests_hold_unroped_keys_and_bound_scores_at_that_dista
             exact = max(float((k_at[h] @ q_roped[h * G + g]).max()) for g in range(G))
             assert bound[h, i] >= exact - 1e-4, (h, i)
     # select_step turns the query the same way: its top page is the top-bound page (after the forced ones).
-    sel = np.asarray(select_step(sp, jnp.asarray(dig[0]), jnp.asarray(q), jnp.asarray([[p]], jnp.int32), table,
-                                 block_size=8, lengths=jnp.asarray([p + 1]), inv_freq=inv))[0]
+    sel = np.asarray(select_step(sp, jnp.asarray(dig[0]), (jnp.asarray(q), jnp.asarray([[p]], jnp.int32)),
+                                 PageView(table, jnp.asarray([p + 1])), block_size=8, inv_freq=inv))[0]
     W = len(raw)
     for h in range(cfg.num_kv_heads):
         free = range(1, W - 2)  # not sink (0), not local (last two)
@@ -381,8 +382,9 @@ def test_rerank_picks_exact_top_k_among_digest_candidates(distance):
     q = rng.normal(size=(B, m, K * G, D)).astype(np.float32)
     sp = gj.config.SparseConfig(enabled=True, budget=6 * S, sink_pages=1, local_pages=2, rerank=2, score_queries=0,
                          positions="compact" if distance else "true", score_distance=distance)
-    got = select_step(sp, jnp.asarray(dig), jnp.asarray(q), jnp.asarray(q_pos), jnp.asarray(tables),
-                      block_size=S, lengths=jnp.asarray(lengths), inv_freq=inv, k_layer=jnp.asarray(pool))
+    got, _ = select_step(sp, jnp.asarray(dig), (jnp.asarray(q), jnp.asarray(q_pos)),
+                         PageView(jnp.asarray(tables), jnp.asarray(lengths)), block_size=S, inv_freq=inv,
+                         k_layer=jnp.asarray(pool))
     # The reference scores with what select_step's queries meet: turned by -(p - d) against
     # un-roped keys, or as they are against the roped keys.
     if distance:

@@ -31,6 +31,7 @@ import numpy as np
 
 import gemini_jax as gj
 from gemini_jax.attention import digests as D
+from gemini_jax.attention.views import Span
 from gemini_jax.config import CacheConfig, SparseConfig
 from gemini_jax.runtime import ContiguousRunner, PagedRunner, new_stats
 
@@ -87,8 +88,8 @@ class DecodeHarness:
         upd = jax.jit(D.update, static_argnums=0, donate_argnums=1)
         store = e.store
         for layer in range(L):
-            store.update(lambda kv, layer=layer: (kv._replace(digests=upd(kind, kv.digests, kv.k, layer, pos, bt,
-                                                                          lengths)), None))
+            store.update(lambda kv, layer=layer: (kv._replace(digests=upd(kind, kv.digests, kv.k, layer,
+                                                                          Span(pos, lengths, bt))), None))
         jax.block_until_ready(store.device.digests)
         # Spot check against page_digest: the first, a random and the last (maybe partial) page.
         rng = np.random.default_rng(seed)

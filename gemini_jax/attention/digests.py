@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from gemini_jax.attention.views import Span
 from gemini_jax.model.layers import rope_angles, rotate
 
 ROWS = {"minmax": 2, "mean": 1}
@@ -36,17 +37,18 @@ def page_digest(kind: str, keys, count):
     return mean[..., None, :]
 
 
-def update(kind: str, digests, k_pool, layer, positions, block_tables, lengths, digest_tables=None, unrope=None):
-    """Recompute the digests of the pages that `positions` [B, T] touched in `layer`.
+def update(kind: str, digests, k_pool, layer, span: Span, unrope=None):
+    """Recompute the digests of the pages that `span.positions` [B, T] touched in `layer`.
 
     `unrope` (the rope's inv_freq, for `sparse.score_distance`): digest the keys as they were
     before rope (each rotated back by its own position), so a page can be scored at any distance.
 
     A call of T tokens touches at most T // S + 2 logical pages per row; only those are read.
-    Pages are read from `k_pool` through `block_tables`; digests are written through
-    `digest_tables` (default: the same tables). They differ under tiers: the pool is a set of
+    Pages are read from `k_pool` through `span.tables`; digests are written through
+    `span.page_ids` (default: the same tables). They differ under tiers: the pool is a set of
     device slots, while digests are kept for every page id.
     """
+    positions, lengths, block_tables, digest_tables = span
     S = k_pool.shape[3]
     P = k_pool.shape[2]
     B, T = positions.shape

@@ -12,6 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from gemini_jax.attention.views import PageView
 from gemini_jax.model.layers import rope_angles, rotate
 
 NEG = -jnp.inf
@@ -105,18 +106,21 @@ def exact_page_scores(q, k_layer, block_tables, lengths, pages, *, group_reduce:
     return jnp.max(s, axis=2) if group_reduce == "max" else jnp.mean(s, axis=2)
 
 
-def select_step(sp, digests_layer, q, q_pos, block_tables, *, block_size: int, window=0, lengths=None,
-                inv_freq=None, k_layer=None, with_candidates: bool = False):
+def select_step(sp, digests_layer, queries, view: PageView, *, block_size: int, window=0, inv_freq=None,
+                k_layer=None):
     """The pages a call's queries read under `SparseConfig` sp: digests_layer [K, P, R, D] (one
-    layer, indexed by page id), q [B, T, H, D], q_pos [B, T], block_tables i32[B, W] (page ids),
-    lengths i32[B] (end of each row's real tokens: padding queries do not score)
+    layer, indexed by page id), queries = (q [B, T, H, D], q_pos [B, T]), view.tables i32[B, W]
+    (page ids), view.lengths i32[B] (end of each row's real tokens: padding queries do not score)
     -> i32[B, K, k] logical pages. A prefill chunk's own pages come on top of the budget.
 
     With `sp.score_distance` > 0 the digests hold keys before rope and `inv_freq` (the rope's)
     turns each query to score every page as if it sat that many tokens before the query.
     With `sp.rerank` the digests choose `rerank` x k candidates and their keys, read from
-    `k_layer` [K, P, S, D], choose the k (`with_candidates`: also return the candidates, whose
-    keys were read)."""
+    `k_layer` [K, P, S, D], choose the k. Given `k_layer` (whether or not rerank is on), the
+    result is (selected, candidates): the candidates' keys were read (= selected without rerank)."""
+    q, q_pos = queries
+    block_tables, lengths = view
+    with_candidates = k_layer is not None
     T = q.shape[1]
     dig = digests_layer[:, block_tables]  # [K, B, W, R, D]
     q_score, pos_score = scoring_queries(q, q_pos, lengths, sp.score_queries)
@@ -132,7 +136,7 @@ def select_step(sp, digests_layer, q, q_pos, block_tables, *, block_size: int, w
         selected = pick(scores, k=k)
         return (selected, selected) if with_candidates else selected
     if k_layer is None:
-        raise ValueError("sparse.rerank needs the layer's key pool (k_layer)")
+        raise ValueError("sparse.rerank needs the layer's key pool (k_layer)")  # a caller's bug
     cand = pick(scores, k=k * sp.rerank)  # forced pages (score inf) are always among them
     exact = exact_page_scores(q_score, k_layer, block_tables, lengths, cand, group_reduce=sp.group_reduce,
                               unrope=inv_freq if sp.score_distance > 0 else None)

@@ -9,20 +9,26 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from gemini_jax.attention.views import PageView, Selection
 from gemini_jax.model.layers import NEG_INF, rope_angles, rotate, softcap
 
 
-def sparse_attention(q, q_pos, k_layer, v_layer, block_tables, lengths, selected, *, scale: float,
-                     cap=None, window=0, return_lse: bool = False, page_shift=None, inv_freq=None):
-    """q [B, T, H, D], q_pos [B, T], pools [K, P, S, D], selected i32[B, K, n] -> [B, T, H, D].
+def sparse_attention(queries, kv_layer, view: PageView, sel: Selection, *, scale: float, cap=None, window=0,
+                     return_lse: bool = False):
+    """queries = (q [B, T, H, D], q_pos [B, T]), kv_layer = (k, v) pools [K, P, S, D] of one layer,
+    view = (tables i32[B, W], lengths i32[B]), sel.pages i32[B, K, n] -> [B, T, H, D].
 
-    `page_shift` i32[B, K, n] (with the rope's `inv_freq`): move each selected page's keys by
+    `sel.shift` i32[B, K, n] (with the rope's `sel.inv_freq`): move each selected page's keys by
     that many positions before attending (rope rotations compose: rotating a key stored at
     position p by s gives the key at p + s). Masks keep using the true positions.
 
     With return_lse, also the log-sum-exp of each query's (masked) logits, f32[B, T, H]: the
     weight with which this part merges with attention over other pages (`merge_parts`).
     """
+    q, q_pos = queries
+    k_layer, v_layer = kv_layer
+    block_tables, lengths = view
+    selected, page_shift, inv_freq = sel
     B, T, H, D = q.shape
     K, P, S, _ = k_layer.shape
     n = selected.shape[-1]

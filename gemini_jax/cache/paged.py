@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from gemini_jax.attention import digests as D
 from gemini_jax.attention.select import compact_shift, select_step
 from gemini_jax.attention.sparse import sparse_attention
+from gemini_jax.attention.views import PageView, Selection, Span
 from gemini_jax.config import ModelConfig, SparseConfig
 from gemini_jax.errors import ConfigError
 from gemini_jax.model import layers as L
@@ -49,18 +50,6 @@ def write_pages(k_pool, v_pool, layer, k, v, positions, block_tables, lengths):
     return k_pool, v_pool
 
 
-class Span(NamedTuple):
-    """Where a call's new K/V go: `positions` i32[B, T], `lengths` i32[B] (positions at or past
-    a row's length are padding, never written), `tables` i32[B, W] (logical page -> index in the
-    KV arrays: a page id, or a device slot under tiers) and `page_ids` i32[B, W] (logical page ->
-    page id, which digests are kept by; None: the same as `tables`)."""
-
-    positions: jax.Array
-    lengths: jax.Array
-    tables: jax.Array
-    page_ids: Optional[jax.Array] = None
-
-
 def write_layer(k_pool, v_pool, digests, layer, kv_new, span: Span, *, digest_kind=None, unrope=None):
     """The first half of every runner's layer body: this call's K/V (`kv_new` = (k, v) [B, T, K, D])
     into their pages, then the digests of the pages they touched (`digest_kind` None: no
@@ -68,8 +57,7 @@ def write_layer(k_pool, v_pool, digests, layer, kv_new, span: Span, *, digest_ki
     k, v = kv_new
     k_pool, v_pool = write_pages(k_pool, v_pool, layer, k, v, span.positions, span.tables, span.lengths)
     if digest_kind is not None:
-        digests = D.update(digest_kind, digests, k_pool, layer, span.positions, span.tables, span.lengths,
-                           digest_tables=span.page_ids, unrope=unrope)
+        digests = D.update(digest_kind, digests, k_pool, layer, span, unrope=unrope)
     return k_pool, v_pool, digests
 
 
@@ -135,22 +123,21 @@ def paged_backend(cfg: ModelConfig, impl: str = "xla", sparse: SparseConfig | No
 
     def sparse_step(layer, q, q_pos, window, cache):
         T = q.shape[1]
-        selected, candidates = select_step(sp, cache.digests[layer], q, q_pos, cache.block_tables,
-                                           block_size=cache.k.shape[3], window=window, lengths=cache.lengths,
-                                           inv_freq=inv_freq, k_layer=cache.k[layer], with_candidates=True)
+        view = PageView(cache.block_tables, cache.lengths)
+        selected, candidates = select_step(sp, cache.digests[layer], (q, q_pos), view, block_size=cache.k.shape[3],
+                                           window=window, inv_freq=inv_freq, k_layer=cache.k[layer])
         reads = jnp.sum(selected >= 0).astype(jnp.int32)
         # Reranking read every candidate's keys (the chosen pages' keys are read again to attend).
         key_reads = jnp.sum(candidates >= 0).astype(jnp.int32) if sp.rerank else jnp.int32(0)
         if compact:  # the kernel keeps true positions: re-positioned keys take the XLA path
-            out = sparse_attention(q, q_pos, cache.k[layer], cache.v[layer], cache.block_tables, cache.lengths,
-                                   selected, scale=cfg.scale, cap=cfg.attn_softcap, window=window,
-                                   page_shift=compact_shift(selected, cache.k.shape[3]), inv_freq=inv_freq)
+            sel = Selection(selected, compact_shift(selected, cache.k.shape[3]), inv_freq)
+            out = sparse_attention((q, q_pos), (cache.k[layer], cache.v[layer]), view, sel, scale=cfg.scale,
+                                   cap=cfg.attn_softcap, window=window)
         elif impl == "pallas" and T == 1:
             out = _pallas_sparse(q, cache.k[layer], cache.v[layer], cache, selected, window)
         else:
-            out = sparse_attention(q, q_pos, cache.k[layer], cache.v[layer], cache.block_tables,
-                                   cache.lengths, selected, scale=cfg.scale, cap=cfg.attn_softcap,
-                                   window=window)
+            out = sparse_attention((q, q_pos), (cache.k[layer], cache.v[layer]), view, Selection(selected),
+                                   scale=cfg.scale, cap=cfg.attn_softcap, window=window)
         return out, reads, key_reads
 
     def _by_window(window, make):

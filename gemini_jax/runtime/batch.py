@@ -77,11 +77,3 @@ class LayerArrays(NamedTuple):
 
     index: jax.Array  # i32[]
     window: jax.Array  # i32[]
-
-
-class Selection(NamedTuple):
-    """The pages a layer's queries read: logical ids i32[B, K, n] (-1 padded) and, under compact
-    positions, each page's position change i32[B, K, n] (None: true positions)."""
-
-    pages: Any
-    shift: Any = None

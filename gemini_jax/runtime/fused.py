@@ -37,7 +37,8 @@ from jax.experimental import io_callback
 
 from gemini_jax.attention.select import compact_shift, select_step
 from gemini_jax.attention.sparse import sparse_attention
-from gemini_jax.cache.paged import Span, write_layer
+from gemini_jax.attention.views import PageView, Selection, Span
+from gemini_jax.cache.paged import write_layer
 from gemini_jax.cache.store import DeviceKV
 from gemini_jax.config import ModelConfig, SparseConfig
 from gemini_jax.runtime.batch import CallArrays
@@ -88,16 +89,16 @@ def _program(graphdef, host, spec: FusedSpec):
                 for j in (range(1, depth + 1) if layer == 0 else (layer + depth,)):
                     if j < L:
                         q_j, _, _ = model.layer_qkv(j, h, positions)
-                        guess = select_step(sp_ahead, digests[j], q_j, positions, bt, block_size=block_size,
-                                            window=windows[j], inv_freq=unrope)
+                        guess = select_step(sp_ahead, digests[j], (q_j, positions), PageView(bt),
+                                            block_size=block_size, window=windows[j], inv_freq=unrope)
                         io_callback(functools.partial(host.speculate, j), None, guess, ordered=False)
             slot_table = p2s[layer][bt]
             q, k, v = model.layer_qkv(layer, h, positions)
             k_slots, v_slots, digests = write_layer(k_slots, v_slots, digests, layer, (k, v),
                                                     Span(positions, ends, slot_table, bt), digest_kind=sp.digest,
                                                     unrope=unrope)
-            sel = select_step(sp, digests[layer], q, positions, bt, block_size=block_size, window=windows[layer],
-                              lengths=ends, inv_freq=unrope)
+            sel = select_step(sp, digests[layer], (q, positions), PageView(bt, ends), block_size=block_size,
+                              window=windows[layer], inv_freq=unrope)
             phys = jnp.where(sel >= 0, jnp.take_along_axis(bt[:, None, :], jnp.maximum(sel, 0), axis=2), 0)
 
             def missing(p2s, phys=phys, layer=layer):
@@ -123,9 +124,9 @@ def _program(graphdef, host, spec: FusedSpec):
             k_slots, v_slots, p2s = jax.lax.cond(jnp.any(missing(p2s)), bring_all, lambda *c: c,
                                                  k_slots, v_slots, p2s)
             shift = compact_shift(sel, block_size) if sp.positions == "compact" else None
-            out = sparse_attention(q, positions, k_slots[layer], v_slots[layer], p2s[layer][bt], ends, sel,
-                                   scale=cfg.scale, cap=cfg.attn_softcap, window=windows[layer], page_shift=shift,
-                                   inv_freq=None if shift is None else inv_freq)
+            out = sparse_attention((q, positions), (k_slots[layer], v_slots[layer]), PageView(p2s[layer][bt], ends),
+                                   Selection(sel, shift, None if shift is None else inv_freq), scale=cfg.scale,
+                                   cap=cfg.attn_softcap, window=windows[layer])
             h = model.layer_finish(layer, h, out.astype(q.dtype))
             sels.append(sel)
         logits = model.logits(h)[:, -1]

@@ -41,12 +41,13 @@ from flax import nnx
 
 from gemini_jax.attention.select import compact_shift, select_step
 from gemini_jax.attention.sparse import merge_parts, sparse_attention
-from gemini_jax.cache.paged import Span, write_layer
+from gemini_jax.attention.views import PageView, Selection, Span
+from gemini_jax.cache.paged import write_layer
 from gemini_jax.cache.shapes import pow2_at_least
 from gemini_jax.cache.store import DeviceKV
 from gemini_jax.errors import CacheExhausted
 from gemini_jax.model import layers
-from gemini_jax.runtime.batch import CallArrays, LayerArrays, LayerProgram, Selection, StepBatch
+from gemini_jax.runtime.batch import CallArrays, LayerArrays, LayerProgram, StepBatch
 from gemini_jax.runtime.chunking import call_width
 from gemini_jax.runtime.context import RunContext
 from gemini_jax.runtime.fused import FusedDecode
@@ -76,8 +77,8 @@ def _lookahead(prog: LayerProgram, params, target: LayerArrays, h, call: CallArr
     """Layer `target`'s selection predicted from an earlier layer's input `h` (its q projection of
     `h` instead of its own input): what the prefetcher should bring before `target` runs."""
     q, _, _ = nnx.merge(prog.graphdef, params).layer_qkv(target.index, h, call.positions)
-    return select_step(sp, digests[target.index], q, call.positions, call.page_table, block_size=prog.block_size,
-                       window=target.window, inv_freq=call.unrope)
+    return select_step(sp, digests[target.index], (q, call.positions), PageView(call.page_table),
+                       block_size=prog.block_size, window=target.window, inv_freq=call.unrope)
 
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("sp",))
@@ -87,8 +88,8 @@ def _lookahead_next(prog: LayerProgram, params, first: LayerArrays, logits, call
     model = nnx.merge(prog.graphdef, params)
     h = model.embed_tokens(jnp.argmax(logits, axis=-1).astype(jnp.int32)[:, None])
     q, _, _ = model.layer_qkv(first.index, h, call.positions)
-    return select_step(sp, digests[first.index], q, call.positions, call.page_table, block_size=prog.block_size,
-                       window=first.window, inv_freq=call.unrope)
+    return select_step(sp, digests[first.index], (q, call.positions), PageView(call.page_table),
+                       block_size=prog.block_size, window=first.window, inv_freq=call.unrope)
 
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("sp",), donate_argnums=(1,))
@@ -102,8 +103,8 @@ def _front(prog: LayerProgram, kv: DeviceKV, params, layer: LayerArrays, slot_ta
                                         digest_kind=prog.digest_kind, unrope=call.unrope)
     selected = None
     if sp is not None:
-        selected = select_step(sp, dig[layer.index], q, call.positions, call.page_table, block_size=prog.block_size,
-                               window=layer.window, lengths=call.lengths, inv_freq=call.unrope)
+        selected = select_step(sp, dig[layer.index], (q, call.positions), PageView(call.page_table, call.lengths),
+                               block_size=prog.block_size, window=layer.window, inv_freq=call.unrope)
     return q, DeviceKV(k_slots, v_slots, dig), selected
 
 
@@ -111,9 +112,9 @@ def _attend_selected(prog: LayerProgram, kv: DeviceKV, layer: LayerArrays, q, vi
                      return_lse=False):
     """Attention of `q` over the selected pages of `layer`'s slots. `view` = (call, slot_table)."""
     call, slot_table = view
-    return sparse_attention(q, call.positions, kv.k[layer.index], kv.v[layer.index], slot_table, call.lengths,
-                            sel.pages, scale=prog.scale, cap=prog.cap, window=layer.window, return_lse=return_lse,
-                            page_shift=sel.shift, inv_freq=None if sel.shift is None else call.inv_freq)
+    return sparse_attention((q, call.positions), (kv.k[layer.index], kv.v[layer.index]),
+                            PageView(slot_table, call.lengths), sel, scale=prog.scale, cap=prog.cap,
+                            window=layer.window, return_lse=return_lse)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -247,7 +248,8 @@ class TieredRunner(PageRunner):
                 t.hot.record((layer, int(bt[b, p])) for b in range(B) for p in np.unique(selected[b])
                              if p >= 0 and bt[b, p] != 0)
             t.predictor.observe(layer, bt, selected, ends)
-            h = self._attend_groups(layer, q, (call, bt), Selection(selected, shift), h)
+            h = self._attend_groups(layer, q, (call, bt), Selection(selected, shift, None if shift is None
+                                                                    else self.inv_freq), h)
             t.prefetcher.release_layer(layer)
             for j, sel_j in ahead.items():
                 t.predictor.speculate(j, bt, np.asarray(sel_j), ends)
@@ -337,7 +339,7 @@ class TieredRunner(PageRunner):
         tables). Returns the layer's output."""
         t, ctx = self.t, self.ctx
         call, bt = where
-        selected, shift = sel
+        selected, shift, inv_freq = sel
         B, K, n = selected.shape
         pinned = t.pinned_resident(layer)
 
@@ -364,8 +366,7 @@ class TieredRunner(PageRunner):
         here = self.layers[layer]
         if len(parts) == 1:  # the common case: one fused call
             t.admit(layer, sorted(sets[0]), fetch=True)
-            return _back(self.prog, t.device, ctx.params, here, (call, t.page_to_slot[layer][bt]), q, h,
-                         Selection(selected, shift))
+            return _back(self.prog, t.device, ctx.params, here, (call, t.page_to_slot[layer][bt]), q, h, sel)
         acc = None
         for cols, pages in zip(parts, sets):
             t.admit(layer, sorted(pages), fetch=True)
@@ -374,5 +375,6 @@ class TieredRunner(PageRunner):
             pad = ((0, 0), (0, 0), (0, pow2_at_least(part.shape[2]) - part.shape[2]))  # few shapes compile
             part = np.pad(part, pad, constant_values=-1)
             sh = None if sh is None else np.pad(sh, pad)
-            acc = _attend(self.prog, t.device, here, q, (call, t.page_to_slot[layer][bt]), Selection(part, sh), acc)
+            acc = _attend(self.prog, t.device, here, q, (call, t.page_to_slot[layer][bt]), Selection(part, sh, inv_freq),
+                          acc)
         return _finish(self.prog, ctx.params, here.index, h, acc[0])

@@ -11,7 +11,6 @@ machine's; what the tier would take comes from the cost model, labelled as a pro
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,8 +47,8 @@ def proportions(hw: HardwareConfig, ref: ModelConfig, context: int, *, name: str
     if context < 1:
         raise ConfigError(f"hardware {hw.name!r}: reference_context={context} must be >= 1.")
     itemsize = np.dtype(hw.dtype).itemsize
-    devices = math.prod(hw.mesh.values())
-    replicas = hw.mesh.get("data", 1)
+    devices = hw.mesh.devices
+    replicas = hw.mesh.data
     weights = ref.num_params() * itemsize
     kv = 2 * ref.num_layers * ref.num_kv_heads * ref.head_dim * itemsize * context
     device_kv = max(0.0, devices * (hw.device_memory_gb - hw.device_reserve_gb) * GB - replicas * weights)
