@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from gemini_jax.attention import digests as D
 from gemini_jax.attention.select import compact_shift, select_step
-from gemini_jax.attention.sparse import sparse_attention
+from gemini_jax.attention.dispatch import AttentionImpl, attend_pages, attend_selected
 from gemini_jax.attention.views import PageView, Selection, Span
 from gemini_jax.config import ModelConfig, SparseConfig
 from gemini_jax.errors import ConfigError
@@ -61,22 +61,16 @@ def write_layer(k_pool, v_pool, digests, layer, kv_new, span: Span, *, digest_ki
     return k_pool, v_pool, digests
 
 
-def gather_pages(pool_layer, block_tables):
-    """[K, P, S, D] pages of the block tables -> contiguous [B, W * S, K, D]."""
-    g = pool_layer[:, block_tables]  # [K, B, W, S, D]
-    K, B, W, S, D = g.shape
-    return g.transpose(1, 2, 3, 0, 4).reshape(B, W * S, K, D)
-
-
 def paged_backend(cfg: ModelConfig, impl: str = "xla", sparse: SparseConfig | None = None, interpret=None):
     """KV backend over the paged pool.
 
     impl 'xla': gather pages, then dense attention (the CPU fast path, any number of queries).
-    impl 'pallas': decode steps (one query) go through `pallas_kernels`; prefill chunks use XLA.
-    With `sparse.enabled`, digests are kept for every written page, and decode steps (and
-    prefill chunks, with sparse_prefill) attend only to the selected pages.
+    impl 'pallas': decode steps (one query) go through `pallas_kernels`; prefill chunks use XLA
+    (`gemini_jax.attention.dispatch` decides). With `sparse.enabled`, digests are kept for every
+    written page, and decode steps (and prefill chunks, with sparse_prefill) attend only to the
+    selected pages.
     """
-    windows = sorted(set(cfg.layer_windows))
+    spec = AttentionImpl.of(cfg, impl, interpret)
     sp = sparse if sparse is not None and sparse.enabled else None
     compact = sp is not None and sp.positions == "compact"
     if compact and cfg.local_rope is not None:
@@ -109,56 +103,19 @@ def paged_backend(cfg: ModelConfig, impl: str = "xla", sparse: SparseConfig | No
     def dense(layer, q, q_pos, window, cache):
         B, W = cache.block_tables.shape
         reads = jnp.int32(B * W * cfg.num_kv_heads)  # the gather path reads the whole table
-        none = jnp.int32(0)
-        if impl == "pallas" and q.shape[1] == 1:
-            return _pallas_decode(q, cache.k[layer], cache.v[layer], cache, window), reads, none
-        kk = gather_pages(cache.k[layer], cache.block_tables)
-        vv = gather_pages(cache.v[layer], cache.block_tables)
-        k_pos = jnp.broadcast_to(jnp.arange(kk.shape[1], dtype=jnp.int32), kk.shape[:2])
-        valid = k_pos < cache.lengths[:, None]
-        mask = L.attention_mask(q_pos, k_pos, valid, window)
-        out = L.dense_attention(q, kk.astype(q.dtype), vv.astype(q.dtype), mask,
-                                scale=cfg.scale, cap=cfg.attn_softcap)
-        return out, reads, none
+        out = attend_pages(spec, (q, q_pos), (cache.k[layer], cache.v[layer]),
+                           PageView(cache.block_tables, cache.lengths), window)
+        return out, reads, jnp.int32(0)
 
     def sparse_step(layer, q, q_pos, window, cache):
-        T = q.shape[1]
         view = PageView(cache.block_tables, cache.lengths)
         selected, candidates = select_step(sp, cache.digests[layer], (q, q_pos), view, block_size=cache.k.shape[3],
                                            window=window, inv_freq=inv_freq, k_layer=cache.k[layer])
         reads = jnp.sum(selected >= 0).astype(jnp.int32)
         # Reranking read every candidate's keys (the chosen pages' keys are read again to attend).
         key_reads = jnp.sum(candidates >= 0).astype(jnp.int32) if sp.rerank else jnp.int32(0)
-        if compact:  # the kernel keeps true positions: re-positioned keys take the XLA path
-            sel = Selection(selected, compact_shift(selected, cache.k.shape[3]), inv_freq)
-            out = sparse_attention((q, q_pos), (cache.k[layer], cache.v[layer]), view, sel, scale=cfg.scale,
-                                   cap=cfg.attn_softcap, window=window)
-        elif impl == "pallas" and T == 1:
-            out = _pallas_sparse(q, cache.k[layer], cache.v[layer], cache, selected, window)
-        else:
-            out = sparse_attention((q, q_pos), (cache.k[layer], cache.v[layer]), view, Selection(selected),
-                                   scale=cfg.scale, cap=cfg.attn_softcap, window=window)
+        sel = Selection(selected, compact_shift(selected, cache.k.shape[3]), inv_freq) if compact else Selection(selected)
+        out = attend_selected(spec, (q, q_pos), (cache.k[layer], cache.v[layer]), view, sel, window)
         return out, reads, key_reads
-
-    def _by_window(window, make):
-        """Kernels take the window statically; layers differ (Gemma), so switch on it."""
-        if len(windows) == 1:
-            return make(windows[0])()
-        idx = sum(jnp.where(window == w, i, 0) for i, w in enumerate(windows))
-        return jax.lax.switch(idx, [make(w) for w in windows])
-
-    def _pallas_decode(q, kp, vp, cache, window):
-        from pallas_kernels.paged_decode import paged_decode_attention
-
-        return _by_window(window, lambda w: lambda: paged_decode_attention(
-            q[:, 0], kp, vp, cache.block_tables, cache.lengths, sm_scale=cfg.scale,
-            soft_cap=cfg.attn_softcap, sliding_window=(w or None), interpret=interpret)[:, None])
-
-    def _pallas_sparse(q, kp, vp, cache, selected, window):
-        from pallas_kernels.sparse_decode import sparse_decode_attention
-
-        return _by_window(window, lambda w: lambda: sparse_decode_attention(
-            q[:, 0], kp, vp, cache.block_tables, cache.lengths, selected, sm_scale=cfg.scale,
-            soft_cap=cfg.attn_softcap, sliding_window=(w or None), interpret=interpret)[:, None])
 
     return attend

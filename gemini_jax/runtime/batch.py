@@ -9,6 +9,8 @@ from typing import Any, NamedTuple, Optional
 
 import jax
 
+from gemini_jax.attention.dispatch import AttentionImpl
+
 import numpy as np
 
 
@@ -52,14 +54,13 @@ class StepBatch:
 
 @dataclasses.dataclass(frozen=True)
 class LayerProgram:
-    """The static half of every jitted piece (hashable): the model's graph and the constants of
-    its attention. `digest_kind` None: no digests (dense)."""
+    """The static half of every jitted piece (hashable): the model's graph, how its attention
+    runs, the digests kept (`digest_kind` None: none, dense) and the page size."""
 
     graphdef: Any
+    attention: AttentionImpl
     digest_kind: Optional[str]
     block_size: int
-    scale: float
-    cap: Optional[float]
 
 
 class CallArrays(NamedTuple):

@@ -36,7 +36,7 @@ from flax import nnx
 from jax.experimental import io_callback
 
 from gemini_jax.attention.select import compact_shift, select_step
-from gemini_jax.attention.sparse import sparse_attention
+from gemini_jax.attention.dispatch import AttentionImpl, attend_selected
 from gemini_jax.attention.views import PageView, Selection, Span
 from gemini_jax.cache.paged import write_layer
 from gemini_jax.cache.store import DeviceKV
@@ -71,6 +71,7 @@ def _program(graphdef, host, spec: FusedSpec):
     L, block_size, M = cfg.num_layers, spec.block_size, spec.fetch_batch
     K, S, D = cfg.num_kv_heads, spec.block_size, cfg.head_dim
     windows = tuple(int(w) for w in cfg.layer_windows)
+    attention = AttentionImpl.of(cfg, "xla")  # over tiers: the XLA path (EngineConfig refuses "pallas")
 
     def run(kv: DeviceKV, params, tokens, call: CallArrays, p2s):
         model = nnx.merge(graphdef, params)
@@ -124,9 +125,9 @@ def _program(graphdef, host, spec: FusedSpec):
             k_slots, v_slots, p2s = jax.lax.cond(jnp.any(missing(p2s)), bring_all, lambda *c: c,
                                                  k_slots, v_slots, p2s)
             shift = compact_shift(sel, block_size) if sp.positions == "compact" else None
-            out = sparse_attention((q, positions), (k_slots[layer], v_slots[layer]), PageView(p2s[layer][bt], ends),
-                                   Selection(sel, shift, None if shift is None else inv_freq), scale=cfg.scale,
-                                   cap=cfg.attn_softcap, window=windows[layer])
+            out = attend_selected(attention, (q, positions), (k_slots[layer], v_slots[layer]),
+                                  PageView(p2s[layer][bt], ends), Selection(sel, shift, None if shift is None else inv_freq),
+                                  windows[layer])
             h = model.layer_finish(layer, h, out.astype(q.dtype))
             sels.append(sel)
         logits = model.logits(h)[:, -1]

@@ -40,7 +40,8 @@ import numpy as np
 from flax import nnx
 
 from gemini_jax.attention.select import compact_shift, select_step
-from gemini_jax.attention.sparse import merge_parts, sparse_attention
+from gemini_jax.attention.dispatch import AttentionImpl, attend_selected
+from gemini_jax.attention.sparse import merge_parts
 from gemini_jax.attention.views import PageView, Selection, Span
 from gemini_jax.cache.paged import write_layer
 from gemini_jax.cache.shapes import pow2_at_least
@@ -112,9 +113,8 @@ def _attend_selected(prog: LayerProgram, kv: DeviceKV, layer: LayerArrays, q, vi
                      return_lse=False):
     """Attention of `q` over the selected pages of `layer`'s slots. `view` = (call, slot_table)."""
     call, slot_table = view
-    return sparse_attention((q, call.positions), (kv.k[layer.index], kv.v[layer.index]),
-                            PageView(slot_table, call.lengths), sel, scale=prog.scale, cap=prog.cap,
-                            window=layer.window, return_lse=return_lse)
+    return attend_selected(prog.attention, (q, call.positions), (kv.k[layer.index], kv.v[layer.index]),
+                           PageView(slot_table, call.lengths), sel, layer.window, return_lse=return_lse)
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -142,8 +142,9 @@ class TieredRunner(PageRunner):
         super().__init__(ctx, batch, stats)
         self.t: TieredStore = ctx.store
         cfg, sp = ctx.model_cfg, ctx.config.sparse
-        self.prog = LayerProgram(graphdef=ctx.graphdef, digest_kind=sp.digest if sp.enabled else None,
-                                 block_size=self.t.S, scale=cfg.scale, cap=cfg.attn_softcap)
+        # Over tiers attention runs on the XLA path (EngineConfig refuses "pallas" with tiers).
+        self.prog = LayerProgram(graphdef=ctx.graphdef, attention=AttentionImpl.of(cfg, "xla"),
+                                 digest_kind=sp.digest if sp.enabled else None, block_size=self.t.S)
         self.inv_freq = jnp.asarray(layers.inv_frequencies(cfg.rope, cfg.head_dim))
         # sparse.score_distance: digests of keys before rope, queries turned to that distance.
         self.unrope = self.inv_freq if sp.enabled and sp.score_distance > 0 else None

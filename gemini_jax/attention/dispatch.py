@@ -1,0 +1,88 @@
+"""The one place that picks how attention over pages runs: XLA (gather + dense, or the selected
+pages), the Pallas kernels (`pallas_kernels`, decode steps: one query per row), and compact
+positions (keys moved by rope, XLA only: the kernels keep true positions).
+
+Every runner's layer body ends here: the pooled cache inside the model's layer scan, the
+tiered runner layer by layer, and the one-program tiered decode step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from gemini_jax.attention.sparse import sparse_attention
+from gemini_jax.attention.views import PageView, Selection
+from gemini_jax.config import ModelConfig
+from gemini_jax.model import layers
+from pallas_kernels.paged_decode import paged_decode_attention
+from pallas_kernels.sparse_decode import sparse_decode_attention
+
+IMPLS = ("xla", "pallas")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionImpl:
+    """Static choice of the attention path (hashable). `impl` "xla" is the portable path (fast
+    on CPU); "pallas" runs decode steps through the kernels (compiled on GPU / TPU, interpret
+    mode on CPU). `windows`: the model's distinct sliding windows (the kernels take the window
+    statically, so a step switches among them)."""
+
+    impl: str = "xla"
+    scale: float
+    cap: Optional[float] = None
+    windows: tuple = (0,)
+    interpret: Optional[bool] = None
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, impl: str = "xla", interpret=None) -> "AttentionImpl":
+        return cls(impl=impl, scale=cfg.scale, cap=cfg.attn_softcap, windows=tuple(sorted(set(cfg.layer_windows))),
+                   interpret=interpret)
+
+
+def gather_pages(pool_layer, block_tables):
+    """[K, P, S, D] pages of the block tables -> contiguous [B, W * S, K, D]."""
+    g = pool_layer[:, block_tables]  # [K, B, W, S, D]
+    K, B, W, S, D = g.shape
+    return g.transpose(1, 2, 3, 0, 4).reshape(B, W * S, K, D)
+
+
+def attend_pages(spec: AttentionImpl, queries, kv_layer, view: PageView, window):
+    """Dense attention of queries = (q [B, T, H, D], q_pos [B, T]) over every page of the view's
+    tables in kv_layer = (k, v) [K, P, S, D] -> [B, T, H, D]."""
+    q, q_pos = queries
+    k_layer, v_layer = kv_layer
+    if spec.impl == "pallas" and q.shape[1] == 1:
+        return _by_window(spec, window, lambda w: lambda: paged_decode_attention(
+            q[:, 0], k_layer, v_layer, view.tables, view.lengths, sm_scale=spec.scale, soft_cap=spec.cap,
+            sliding_window=(w or None), interpret=spec.interpret)[:, None])
+    kk = gather_pages(k_layer, view.tables)
+    vv = gather_pages(v_layer, view.tables)
+    k_pos = jnp.broadcast_to(jnp.arange(kk.shape[1], dtype=jnp.int32), kk.shape[:2])
+    mask = layers.attention_mask(q_pos, k_pos, k_pos < view.lengths[:, None], window)
+    return layers.dense_attention(q, kk.astype(q.dtype), vv.astype(q.dtype), mask, scale=spec.scale, cap=spec.cap)
+
+
+def attend_selected(spec: AttentionImpl, queries, kv_layer, view: PageView, sel: Selection, window, *,
+                    return_lse: bool = False):
+    """Attention over the selected pages only (equal to `attend_pages` restricted to them). With
+    return_lse (XLA path), also the log-sum-exp that merges it with attention over other pages."""
+    q, _ = queries
+    if spec.impl == "pallas" and q.shape[1] == 1 and sel.shift is None and not return_lse:
+        k_layer, v_layer = kv_layer
+        return _by_window(spec, window, lambda w: lambda: sparse_decode_attention(
+            q[:, 0], k_layer, v_layer, view.tables, view.lengths, sel.pages, sm_scale=spec.scale,
+            soft_cap=spec.cap, sliding_window=(w or None), interpret=spec.interpret)[:, None])
+    return sparse_attention(queries, kv_layer, view, sel, scale=spec.scale, cap=spec.cap, window=window,
+                            return_lse=return_lse)
+
+
+def _by_window(spec: AttentionImpl, window, make):
+    """Kernels take the window statically; layers differ (Gemma), so switch on it."""
+    if len(spec.windows) == 1:
+        return make(spec.windows[0])()
+    idx = sum(jnp.where(window == w, i, 0) for i, w in enumerate(spec.windows))
+    return jax.lax.switch(idx, [make(w) for w in spec.windows])
