@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-from gemini_jax.tiers import DiskStore, PageSpec, measure_disk
+from gemini_jax.tiers import DiskOptions, DiskStore, PageSpec, measure_disk
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 LAYOUTS = ("chunked", "sharded")
@@ -48,7 +48,7 @@ def one_layout(layout, spec, pages, reads, workdir, shard_pages, workers, append
     out = {}
     # Decode-time write-through: every round appends one page to every layer and waits for it
     # (a sequence crossing a page boundary); a shard is rewritten for each page added to it.
-    store = DiskStore(root + "_append", spec, layout=layout, shard_pages=shard_pages, io_workers=workers)
+    store = DiskStore(root + "_append", spec, DiskOptions(layout=layout, shard_pages=shard_pages, io_workers=workers))
     t0 = time.perf_counter()
     for p in range(append_rounds):
         for layer in range(spec.num_layers):
@@ -57,7 +57,7 @@ def one_layout(layout, spec, pages, reads, workdir, shard_pages, workers, append
     out["append_s"] = time.perf_counter() - t0
     store.close()
     shutil.rmtree(root + "_append", ignore_errors=True)
-    store = DiskStore(root, spec, layout=layout, shard_pages=shard_pages, io_workers=workers)
+    store = DiskStore(root, spec, DiskOptions(layout=layout, shard_pages=shard_pages, io_workers=workers))
     t0 = time.perf_counter()
     for key, data in pages.items():
         store.put_stacked(key, data)
@@ -67,7 +67,7 @@ def one_layout(layout, spec, pages, reads, workdir, shard_pages, workers, append
     os.sync()
     out["files"] = sum(len(f) for _, _, f in os.walk(root))
     out["disk_bytes"] = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs)
-    store = DiskStore(root, spec, layout=layout, shard_pages=shard_pages, io_workers=workers)
+    store = DiskStore(root, spec, DiskOptions(layout=layout, shard_pages=shard_pages, io_workers=workers))
     for mode in ("cold", "warm"):
         if mode == "cold":
             drop_cache(root)

@@ -13,7 +13,7 @@ import functools
 import typing
 from typing import Any, Dict, List, Optional
 
-from gemini_jax import config as C
+from gemini_jax import config
 
 
 def _mirror_type(tp):
@@ -65,14 +65,14 @@ def register() -> None:
     from omegaconf import OmegaConf
 
     OmegaConf.register_new_resolver(
-        "gj_windows", lambda n, w, p=0: C.windows_spec(int(n), int(w), int(p)), replace=True)
+        "gj_windows", lambda n, w, p=0: config.windows_spec(int(n), int(w), int(p)), replace=True)
     cs = ConfigStore.instance()
-    cs.store(group="model", name="schema", node=schema_of(C.ModelConfig))
-    cs.store(group="hardware", name="schema", node=schema_of(C.HardwareConfig))
-    cs.store(group="engine", name="schema", node=schema_of(C.EngineConfig))
-    cs.store(group="sampling", name="schema", node=schema_of(C.SamplingParams))
-    cs.store(group="sparse", name="schema", node=schema_of(C.SparseConfig), package="engine.sparse")
-    cs.store(group="tier", name="schema", node=schema_of(C.TierConfig), package="engine.tier")
+    cs.store(group="model", name="schema", node=schema_of(config.ModelConfig))
+    cs.store(group="hardware", name="schema", node=schema_of(config.HardwareConfig))
+    cs.store(group="engine", name="schema", node=schema_of(config.EngineConfig))
+    cs.store(group="sampling", name="schema", node=schema_of(config.SamplingParams))
+    cs.store(group="sparse", name="schema", node=schema_of(config.SparseConfig), package="engine.sparse")
+    cs.store(group="tier", name="schema", node=schema_of(config.TierConfig), package="engine.tier")
     _REGISTERED = True
 
 
@@ -81,4 +81,4 @@ def build(cls, node):
     from omegaconf import OmegaConf
 
     data = OmegaConf.to_container(node, resolve=True) if not isinstance(node, dict) else node
-    return C.from_dict(cls, data)
+    return config.from_dict(cls, data)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from gemini_jax.errors import CacheExhausted, IntegrityError
-from gemini_jax.tiers import (DiskStore, HostStore, IncompletePage, PageMissing, PageSpec, TierConfig,
+from gemini_jax.tiers import (DiskOptions, DiskStore, HostStore, IncompletePage, PageMissing, PageSpec, TierConfig,
                               TierError, TierStack)
 from gemini_jax.tiers.page_log import PageLog
 
@@ -98,7 +98,7 @@ def test_disk_round_trip_and_reopen(tmp_path, layout, dtype):
     spec = PageSpec(num_layers=3, num_pages=40, kv_heads=2, block_size=16, head_dim=32, dtype=dtype)
     rng = np.random.default_rng(4)
     pages = {(l, p): rand_page(rng, spec) for l in range(3) for p in rng.choice(40, 12, replace=False)}
-    with DiskStore(str(tmp_path / "kv"), spec, layout=layout, shard_pages=8) as disk:
+    with DiskStore(str(tmp_path / "kv"), spec, DiskOptions(layout=layout, shard_pages=8)) as disk:
         for key, (k, v) in pages.items():
             disk.put(key, k, v)
         key0 = next(iter(pages))
@@ -110,7 +110,7 @@ def test_disk_round_trip_and_reopen(tmp_path, layout, dtype):
         new = rand_page(rng, spec)
         disk.put(key0, *new)
         assert_page(disk.get(key0), new)
-    with DiskStore(str(tmp_path / "kv"), spec, layout=layout, shard_pages=8) as disk:
+    with DiskStore(str(tmp_path / "kv"), spec, DiskOptions(layout=layout, shard_pages=8)) as disk:
         assert disk.incomplete_pages() == []
         pages[key0] = new
         for key, want in pages.items():
@@ -122,7 +122,7 @@ def test_disk_round_trip_and_reopen(tmp_path, layout, dtype):
 def test_disk_back_pressure_and_shape_checks(tmp_path):
     rng = np.random.default_rng(12)
     pages = {(l, p): rand_page(rng) for l in range(3) for p in range(1, 30)}
-    with DiskStore(str(tmp_path / "kv"), SPEC, max_pending=2, write_batch=1) as disk:
+    with DiskStore(str(tmp_path / "kv"), SPEC, DiskOptions(max_pending=2, write_batch=1)) as disk:
         for key, page in pages.items():  # puts wait for the writer instead of piling up
             disk.put(key, *page)
             assert len(disk._queue) <= 2
@@ -136,9 +136,9 @@ def test_disk_back_pressure_and_shape_checks(tmp_path):
 
 
 def test_disk_refuses_other_layout(tmp_path):
-    DiskStore(str(tmp_path / "kv"), SPEC, layout="chunked").close()
+    DiskStore(str(tmp_path / "kv"), SPEC, DiskOptions(layout="chunked")).close()
     with pytest.raises(TierError, match="layout"):
-        DiskStore(str(tmp_path / "kv"), SPEC, layout="sharded")
+        DiskStore(str(tmp_path / "kv"), SPEC, DiskOptions(layout="sharded"))
 
 
 def test_disk_single_owner(tmp_path):
@@ -165,7 +165,7 @@ def _chunk_file(root, layout, layer, page, shard_pages=8):
 def test_corrupt_page_names_layer_and_page(tmp_path, layout):
     rng = np.random.default_rng(5)
     root = str(tmp_path / "kv")
-    with DiskStore(root, SPEC, layout=layout, shard_pages=8) as disk:
+    with DiskStore(root, SPEC, DiskOptions(layout=layout, shard_pages=8)) as disk:
         good = rand_page(rng)
         disk.put((1, 3), *rand_page(rng))
         disk.put((2, 30), *good)
@@ -235,9 +235,9 @@ def test_incomplete_write_is_reported_not_served(tmp_path):
 
 KILL_SCRIPT = """
 import sys, numpy as np
-from gemini_jax.tiers import DiskStore, PageSpec
+from gemini_jax.tiers import DiskOptions, DiskStore, PageSpec
 spec = PageSpec(num_layers=3, num_pages=40, kv_heads=2, block_size=16, head_dim=32)
-disk = DiskStore({root!r}, spec, layout={layout!r}, shard_pages=8, write_batch=16)
+disk = DiskStore({root!r}, spec, DiskOptions(layout={layout!r}, shard_pages=8, write_batch=16))
 print("ready", flush=True)
 i = 0
 while True:
@@ -268,7 +268,7 @@ def test_killed_mid_write_never_serves_wrong_pages(tmp_path, layout):
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     n_logged = len(open(root + "/written").read().splitlines())
-    with DiskStore(root, SPEC, layout=layout, shard_pages=8) as disk:
+    with DiskStore(root, SPEC, DiskOptions(layout=layout, shard_pages=8)) as disk:
         committed, incomplete = disk.committed_pages(), disk.incomplete_pages()
         assert committed, "the child committed nothing before it was killed"
         assert not set(committed) & set(incomplete)

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from gemini_jax.config import ModelConfig
-from gemini_jax.model import layers as L
+from gemini_jax.model import layers
 
 
 class ContiguousKV(NamedTuple):
@@ -44,8 +44,8 @@ def contiguous_backend(cfg: ModelConfig):
         k_rows, v_rows = k_all[layer][cache.rows], v_all[layer][cache.rows]
         S = k_rows.shape[1]
         k_pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (q.shape[0], S))
-        mask = L.attention_mask(q_pos, k_pos, jnp.ones_like(k_pos, bool), window)
-        out = L.dense_attention(q, k_rows.astype(q.dtype), v_rows.astype(q.dtype), mask,
+        mask = layers.attention_mask(q_pos, k_pos, jnp.ones_like(k_pos, bool), window)
+        out = layers.dense_attention(q, k_rows.astype(q.dtype), v_rows.astype(q.dtype), mask,
                                 scale=cfg.scale, cap=cfg.attn_softcap)
         return out, cache._replace(k=k_all, v=v_all)
 

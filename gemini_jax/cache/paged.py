@@ -12,13 +12,13 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from gemini_jax.attention import digests as D
+from gemini_jax.attention import digests as page_digests
 from gemini_jax.attention.select import compact_shift, select_step
 from gemini_jax.attention.dispatch import AttentionImpl, attend_pages, attend_selected
 from gemini_jax.attention.views import PageView, Selection, Span
 from gemini_jax.config import ModelConfig, SparseConfig
 from gemini_jax.errors import ConfigError
-from gemini_jax.model import layers as L
+from gemini_jax.model import layers
 
 
 class PagedKV(NamedTuple):
@@ -57,7 +57,7 @@ def write_layer(k_pool, v_pool, digests, layer, kv_new, span: Span, *, digest_ki
     k, v = kv_new
     k_pool, v_pool = write_pages(k_pool, v_pool, layer, k, v, span.positions, span.tables, span.lengths)
     if digest_kind is not None:
-        digests = D.update(digest_kind, digests, k_pool, layer, span, unrope=unrope)
+        digests = page_digests.update(digest_kind, digests, k_pool, layer, span, unrope=unrope)
     return k_pool, v_pool, digests
 
 
@@ -76,7 +76,7 @@ def paged_backend(cfg: ModelConfig, impl: str = "xla", sparse: SparseConfig | No
     if compact and cfg.local_rope is not None:
         raise ConfigError("sparse.positions='compact' re-rotates keys with the model's rope; this family has "
                           "a second (local) rope, which is not supported: use positions='true'.")
-    inv_freq = L.inv_frequencies(cfg.rope, cfg.head_dim) if compact else None
+    inv_freq = layers.inv_frequencies(cfg.rope, cfg.head_dim) if compact else None
     unrope = inv_freq if compact and sp.score_distance > 0 else None  # digests of keys before rope
 
     def attend(layer, q, k, v, q_pos, window, cache: PagedKV):

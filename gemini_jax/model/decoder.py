@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from gemini_jax.config import ModelConfig
-from gemini_jax.model import layers as L
+from gemini_jax.model import layers
 
 # Per-layer weights: name -> shape given the config (None when the family lacks it).
 def layer_param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -76,8 +76,8 @@ def self_attention_backend(cfg: ModelConfig) -> KVBackend:
     def attend(layer, q, k, v, q_pos, window, cache):
         del layer
         valid = jnp.ones(q_pos.shape, bool)
-        mask = L.attention_mask(q_pos, q_pos, valid, window)
-        return L.dense_attention(q, k, v, mask, scale=cfg.scale, cap=cfg.attn_softcap), cache
+        mask = layers.attention_mask(q_pos, q_pos, valid, window)
+        return layers.dense_attention(q, k, v, mask, scale=cfg.scale, cap=cfg.attn_softcap), cache
 
     return attend
 
@@ -129,13 +129,13 @@ class Decoder(nnx.Module):
 
     def logits(self, h):
         cfg = self.cfg
-        h = L.rms_norm(h, self.final_norm[...], cfg.norm_eps, cfg.norm_kind == "rms_plus_one")
+        h = layers.rms_norm(h, self.final_norm[...], cfg.norm_eps, cfg.norm_kind == "rms_plus_one")
         head = self.embed[...].T if self.lm_head is None else self.lm_head[...]
         out = jnp.einsum("bte,ev->btv", h, head, preferred_element_type=jnp.float32)
-        return L.softcap(out, cfg.final_softcap)
+        return layers.softcap(out, cfg.final_softcap)
 
     def _norm(self, x, w):
-        return L.rms_norm(x, w, self.cfg.norm_eps, self.cfg.norm_kind == "rms_plus_one")
+        return layers.rms_norm(x, w, self.cfg.norm_eps, self.cfg.norm_kind == "rms_plus_one")
 
     # ---- one layer in two halves -------------------------------------------------------------
     # The scan above runs them back to back; the tiered KV path (gemini_jax.tiers.runner) runs
@@ -152,11 +152,11 @@ class Decoder(nnx.Module):
 
     def _rope_tables(self, positions):
         cfg = self.cfg
-        glob = L.rope_angles(positions, L.inv_frequencies(cfg.rope, cfg.head_dim))
+        glob = layers.rope_angles(positions, layers.inv_frequencies(cfg.rope, cfg.head_dim))
         if cfg.local_rope is None:
             return glob, glob
         # Gemma 3: sliding layers use their own rope base
-        return glob, L.rope_angles(positions, L.inv_frequencies(cfg.local_rope, cfg.head_dim))
+        return glob, layers.rope_angles(positions, layers.inv_frequencies(cfg.local_rope, cfg.head_dim))
 
     def _window(self, idx):
         return jnp.asarray(self.cfg.layer_windows, jnp.int32)[idx]
@@ -177,7 +177,7 @@ class Decoder(nnx.Module):
         v = v.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q, k = self._norm(q, p["q_norm"]), self._norm(k, p["k_norm"])
-        return L.apply_rope(q, cos, sin), L.apply_rope(k, cos, sin), v
+        return layers.apply_rope(q, cos, sin), layers.apply_rope(k, cos, sin), v
 
     def layer_qkv(self, idx, h, positions):
         return self._qkv(self.layer_params(idx), h, positions, self._rope_tables(positions), idx)
@@ -200,7 +200,7 @@ class Decoder(nnx.Module):
     def _mlp(self, p, h):
         cfg = self.cfg
         x = self._norm(h, p["mlp_norm"])
-        x = L.activation(cfg.activation)(x @ p["w_gate"]) * (x @ p["w_up"])
+        x = layers.activation(cfg.activation)(x @ p["w_gate"]) * (x @ p["w_up"])
         x = x @ p["w_down"]
         if cfg.sandwich_norms:
             x = self._norm(x, p["post_mlp_norm"])

@@ -73,7 +73,7 @@ def _program(graphdef, host, spec: FusedSpec):
     windows = tuple(int(w) for w in cfg.layer_windows)
     attention = AttentionImpl.of(cfg, "xla")  # over tiers: the XLA path (EngineConfig refuses "pallas")
 
-    def run(kv: DeviceKV, params, tokens, call: CallArrays, p2s):
+    def run(kv: DeviceKV, params, tokens, call: CallArrays, page_to_slot):
         model = nnx.merge(graphdef, params)
         k_slots, v_slots, digests = kv
         positions, bt, ends = call.positions, call.page_table, call.lengths
@@ -93,7 +93,7 @@ def _program(graphdef, host, spec: FusedSpec):
                         guess = select_step(sp_ahead, digests[j], (q_j, positions), PageView(bt),
                                             block_size=block_size, window=windows[j], inv_freq=unrope)
                         io_callback(functools.partial(host.speculate, j), None, guess, ordered=False)
-            slot_table = p2s[layer][bt]
+            slot_table = page_to_slot[layer][bt]
             q, k, v = model.layer_qkv(layer, h, positions)
             k_slots, v_slots, digests = write_layer(k_slots, v_slots, digests, layer, (k, v),
                                                     Span(positions, ends, slot_table, bt), digest_kind=sp.digest,
@@ -102,31 +102,31 @@ def _program(graphdef, host, spec: FusedSpec):
                               window=windows[layer], inv_freq=unrope)
             phys = jnp.where(sel >= 0, jnp.take_along_axis(bt[:, None, :], jnp.maximum(sel, 0), axis=2), 0)
 
-            def missing(p2s, phys=phys, layer=layer):
-                return (phys != 0) & (p2s[layer][phys] == 0)
+            def missing(page_to_slot, phys=phys, layer=layer):
+                return (phys != 0) & (page_to_slot[layer][phys] == 0)
 
             def bring(carry, phys=phys, layer=layer, missing=missing):
                 # Up to M missing pages per round trip; a step without misses never enters.
-                k_slots, v_slots, p2s, _ = carry
+                k_slots, v_slots, page_to_slot, _ = carry
                 ok, slots, pages, evicted, kd, vd = io_callback(
-                    functools.partial(host.serve, layer), fetch_shapes, phys, missing(p2s), ordered=False)
+                    functools.partial(host.serve, layer), fetch_shapes, phys, missing(page_to_slot), ordered=False)
                 # Padding: slot n_slots + 1 and page num_pages are out of range, so dropped.
                 k_slots = k_slots.at[layer, :, slots].set(kd, mode="drop")  # [M, K, S, D] (numpy indexing)
                 v_slots = v_slots.at[layer, :, slots].set(vd, mode="drop")
-                p2s = p2s.at[layer, evicted].set(0, mode="drop").at[layer, pages].set(slots, mode="drop")
-                return k_slots, v_slots, p2s, ok
+                page_to_slot = page_to_slot.at[layer, evicted].set(0, mode="drop").at[layer, pages].set(slots, mode="drop")
+                return k_slots, v_slots, page_to_slot, ok
 
             # The host stops the loop (ok = False) on an error, which the step raises afterwards.
             # The loop sits behind a cond: an idle while loop still costs a pass over its carry.
-            def bring_all(k_slots, v_slots, p2s, missing=missing, bring=bring):
+            def bring_all(k_slots, v_slots, page_to_slot, missing=missing, bring=bring):
                 return jax.lax.while_loop(lambda c: c[3] & jnp.any(missing(c[2])), bring,
-                                          (k_slots, v_slots, p2s, jnp.bool_(True)))[:3]
+                                          (k_slots, v_slots, page_to_slot, jnp.bool_(True)))[:3]
 
-            k_slots, v_slots, p2s = jax.lax.cond(jnp.any(missing(p2s)), bring_all, lambda *c: c,
-                                                 k_slots, v_slots, p2s)
+            k_slots, v_slots, page_to_slot = jax.lax.cond(jnp.any(missing(page_to_slot)), bring_all, lambda *c: c,
+                                                 k_slots, v_slots, page_to_slot)
             shift = compact_shift(sel, block_size) if sp.positions == "compact" else None
             out = attend_selected(attention, (q, positions), (k_slots[layer], v_slots[layer]),
-                                  PageView(p2s[layer][bt], ends), Selection(sel, shift, None if shift is None else inv_freq),
+                                  PageView(page_to_slot[layer][bt], ends), Selection(sel, shift, None if shift is None else inv_freq),
                                   windows[layer])
             h = model.layer_finish(layer, h, out.astype(q.dtype))
             sels.append(sel)

@@ -19,11 +19,11 @@ from gemini_jax.tiers.prefetch import Predictor, Prefetcher
 from gemini_jax.tiers.residency import Admission, DeviceSlots, HotZone
 from gemini_jax.tiers.sharded import ShardedTierStack
 from gemini_jax.tiers.stack import Fetched, TierStack
-from gemini_jax.tiers.stores import DiskStore, HostStore
+from gemini_jax.tiers.stores import DiskOptions, DiskStore, HostStore
 
 __all__ = [
     "TieredStore",
-    "Admission", "DeviceSlots", "DiskStore", "Fetched", "HostStore", "HotZone", "IncompletePage",
+    "Admission", "DeviceSlots", "DiskOptions", "DiskStore", "Fetched", "HostStore", "HotZone", "IncompletePage",
     "PageKey", "PageMissing", "PageSpec", "Predictor", "Prefetcher", "RunCounters", "ShardedTierStack", "TierConfig",
     "TierError", "TierStack", "measure_disk", "page_digest", "project", "project_all",
 ]

@@ -18,7 +18,7 @@ from gemini_jax.errors import CacheExhausted, IntegrityError
 from gemini_jax.config import TierConfig
 from gemini_jax.tiers.errors import PageMissing, TierError
 from gemini_jax.tiers.page import PageKey, PageSpec
-from gemini_jax.tiers.stores import DiskStore, HostStore
+from gemini_jax.tiers.stores import DiskOptions, DiskStore, HostStore
 
 
 @dataclass(frozen=True)
@@ -44,8 +44,8 @@ class TierStack:
         self.spec, self.cfg = spec, cfg
         self.disk: Optional[DiskStore] = None
         if cfg.disk_path is not None:
-            self.disk = DiskStore(cfg.disk_path, spec, layout=cfg.disk_layout, shard_pages=cfg.shard_pages,
-                                  fsync=cfg.disk_fsync, io_workers=cfg.io_workers)
+            self.disk = DiskStore(cfg.disk_path, spec, DiskOptions(
+                layout=cfg.disk_layout, shard_pages=cfg.shard_pages, fsync=cfg.disk_fsync, io_workers=cfg.io_workers))
         self.host = HostStore(spec, cfg.host_pages, spill=self._spill if self.disk is not None else None)
         self._readers = ThreadPoolExecutor(cfg.io_workers, thread_name_prefix="gj-tier-read")
         self.corrupt_pages = 0

@@ -10,6 +10,7 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import numpy as np
@@ -181,6 +182,23 @@ def _ts_reason(e: Exception) -> str:
     return msg if cut < 0 else msg[:cut]
 
 
+@dataclass(frozen=True, kw_only=True)
+class DiskOptions:
+    """How a `DiskStore` lays out and writes its pages."""
+
+    layout: str = "chunked"  # "chunked": one zarr chunk per (layer, page); "sharded": shard_pages per file
+    shard_pages: int = 64
+    fsync: bool = False  # fsync every write batch and log record
+    io_workers: int = 4  # reader threads (and tensorstore's file I/O concurrency, at least 4)
+    write_batch: int = 64  # pages the writer thread writes at once
+    max_pending: int = 1024  # pages a `put` may queue before it waits for the writer
+    cache_bytes: Optional[int] = None  # tensorstore's cache (None: 0 chunked, 8 MiB sharded, for shard indexes)
+
+    def __post_init__(self):
+        if self.layout not in ("chunked", "sharded"):
+            raise ValueError(f"layout={self.layout!r} must be 'chunked' or 'sharded'.")
+
+
 class DiskStore:
     """Pages on the local file system as a zarr3 array `[layers, pages, 2, kv_heads, block_size,
     head_dim]` (tensorstore), one chunk per (layer, page) ("chunked") or `shard_pages` pages of a
@@ -199,13 +217,11 @@ class DiskStore:
     stored.
     """
 
-    def __init__(self, path: str, spec: PageSpec, *, layout: str = "chunked", shard_pages: int = 64,
-                 fsync: bool = False, io_workers: int = 4, write_batch: int = 64, max_pending: int = 1024,
-                 cache_bytes: Optional[int] = None):
-        if layout not in ("chunked", "sharded"):
-            raise ValueError(f"layout={layout!r} must be 'chunked' or 'sharded'.")
+    def __init__(self, path: str, spec: PageSpec, options: Optional[DiskOptions] = None):
+        options = options or DiskOptions()
+        layout, fsync, io_workers, cache_bytes = options.layout, options.fsync, options.io_workers, options.cache_bytes
         self.path, self.spec, self.layout = os.path.abspath(path), spec, layout
-        self.write_batch, self.max_pending = write_batch, max_pending
+        self.write_batch, self.max_pending = options.write_batch, options.max_pending
         try:
             os.makedirs(self.path, exist_ok=True)
         except OSError as e:
@@ -216,7 +232,7 @@ class DiskStore:
         context = {"cache_pool": {"total_bytes_limit": int(cache_bytes)}, "file_io_sync": bool(fsync),
                    "file_io_concurrency": {"limit": max(4, io_workers)}}
         ts_spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": os.path.join(self.path, "kv.zarr")},
-                   "metadata": _zarr_metadata(spec, layout, shard_pages), "context": context}
+                   "metadata": _zarr_metadata(spec, layout, options.shard_pages), "context": context}
         try:
             self._array = ts.open(ts_spec, create=True, open=True).result()
         except ValueError as e:
