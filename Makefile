@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 export JAX_PLATFORMS ?= cpu
 export WANDB_MODE ?= offline
 
-.PHONY: run test test-slow bench clean
+.PHONY: run test test-slow lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,7 +20,12 @@ $(VENV)/.installed-test: $(VENV)/.installed
 run: $(VENV)/.installed
 	$(PY) experiments/run.py
 
-test: $(VENV)/.installed-test
+# Architecture first (seconds): ruff, and layers that import only downward (pyproject.toml).
+lint: $(VENV)/.installed-test
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
+
+test: lint
 	$(PY) -m pytest -q
 
 test-slow: $(VENV)/.installed-test

@@ -192,15 +192,14 @@ def run_workload(eng: gj.Engine, tok, w: dict, seed: int, byte_level: bool) -> d
         before = dict(eng.stats)
         t0 = time.perf_counter()
         nd = needle(eng, [w["needle_length"]], [w["needle_depth"]], trials=w["needle_trials"],
-                    batch=min(w["needle_trials"], eng.config.max_batch), haystack=text, seed=seed,
-                    progress=False)
+                    batch=min(w["needle_trials"], eng.config.max_batch), haystack=text, seed=seed)
         secs["needle"] = time.perf_counter() - t0
         res["needle"] = {"accuracy": nd.overall, "length": w["needle_length"], "depth": w["needle_depth"],
                          "trials": nd.trials, "records": nd.records, "stats": _delta(before, eng.stats)}
         before = dict(eng.stats)
         t0 = time.perf_counter()
         pp = perplexity(eng, w["bpb_context"], windows=w["bpb_windows"], scored=w["bpb_scored"],
-                        text=text, seed=seed, progress=False)
+                        text=text, seed=seed)
         secs["bits_per_byte"] = time.perf_counter() - t0
         res["bits_per_byte"] = {**pp, "stats": _delta(before, eng.stats)}
     else:

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import gemini_jax as gj  # noqa: E402
 from gemini_jax.data import corpus, tasks  # noqa: E402
-from gemini_jax.eval.recall import digest_recall  # noqa: E402
+from gemini_jax.eval.recall import RecallSetting, digest_recall  # noqa: E402
 from gemini_jax.tokenizer import ByteTokenizer  # noqa: E402
 
 
@@ -54,8 +54,8 @@ def main(argv=None) -> int:
             rng = np.random.default_rng([a.seed, T, w])
             toks = np.concatenate([[ByteTokenizer.BOS], tasks.text_window(held, T - 1, rng)]).astype(np.int32)
             for bs in blocks:
-                r = digest_recall(model, toks, block_size=bs, k_pages=a.budget // bs, queries=a.queries,
-                                  rerank=a.rerank)
+                r = digest_recall(model, toks, RecallSetting(block_size=bs, k_pages=a.budget // bs, rerank=a.rerank),
+                                  queries=a.queries)
                 records.append({"context": T, "window": w, "block_size": bs, "k_pages": a.budget // bs,
                                 **{k: float(np.mean(v)) for k, v in r.items()}})
                 bar.update(1)

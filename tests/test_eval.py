@@ -33,12 +33,11 @@ class RandomEngine:
 
 def test_oracle_scores_100_and_random_scores_near_0(tmp_path):
     lengths, depths = [300, 1200], [0.0, 0.5, 1.0]
-    res = needle(OracleEngine(), lengths, depths, trials=4, seed=int(np.random.default_rng().integers(1 << 20)),
-                 progress=False)
+    res = needle(OracleEngine(), lengths, depths, trials=4, seed=int(np.random.default_rng().integers(1 << 20)))
     assert res.overall == 1.0
-    kv = needle(OracleEngine(), [1500], [0.3], trials=4, distractors=3, progress=False)
+    kv = needle(OracleEngine(), [1500], [0.3], trials=4, distractors=3)
     assert kv.overall == 1.0
-    rnd = needle(RandomEngine(), lengths, depths, trials=20, progress=False)
+    rnd = needle(RandomEngine(), lengths, depths, trials=20)
     assert rnd.overall <= 0.05  # chance of guessing 5 digits (and no 6th) is ~1e-5
     write_needle(res, str(tmp_path), "oracle", "oracle")
     assert all((tmp_path / f"oracle.{e}").exists() for e in ("json", "md", "png"))
@@ -64,7 +63,7 @@ def test_score_matches_forward_and_perplexity_runs():
     ref = full - np.log(np.exp(full - full.max(-1, keepdims=True)).sum(-1, keepdims=True)) - full.max(-1, keepdims=True)
     want = ref[np.arange(39, 59), toks[40:60]]
     np.testing.assert_allclose(logp, want, atol=1e-4)
-    out = perplexity(eng, 128, windows=2, scored=32, progress=False)
+    out = perplexity(eng, 128, windows=2, scored=32)
     assert 7.0 < out["bits_per_byte"] < 12  # a random model is near log2(259) bits
     assert 4.0 < unigram_bits_per_byte() < 6.0
 
@@ -72,16 +71,17 @@ def test_score_matches_forward_and_perplexity_runs():
 def test_digest_recall_is_exact_for_single_token_pages():
     """With one key per page and one query head per kv head, a digest *is* the key, so the
     digest ranking is the attention-mass ranking: recall must be 1. Coarser pages recall less."""
-    from gemini_jax.eval import digest_recall
+    from gemini_jax.eval import RecallSetting, digest_recall
 
     rng = np.random.default_rng()
     cfg = tiny_config("tiny", num_heads=2, num_kv_heads=2, head_dim=32)
     model = random_model(cfg, int(rng.integers(100)))
     toks = [int(x) for x in rng.integers(0, cfg.vocab_size, 120)]
-    exact = digest_recall(model, toks, block_size=1, k_pages=8, queries=3, sink_pages=1, local_pages=1)
+    exact = digest_recall(model, toks, RecallSetting(block_size=1, k_pages=8, sink_pages=1, local_pages=1), queries=3)
     assert exact == {"minmax": 1.0, "mean": 1.0}
     # Reranking by the exact largest q.k of a one-key page is the logit ranking too.
-    reranked = digest_recall(model, toks, block_size=1, k_pages=8, queries=3, sink_pages=1, local_pages=1, rerank=2)
+    reranked = digest_recall(model, toks, RecallSetting(block_size=1, k_pages=8, sink_pages=1, local_pages=1, rerank=2),
+                             queries=3)
     assert reranked == {"minmax": 1.0, "mean": 1.0, "minmax+rerank2": 1.0, "mean+rerank2": 1.0}
-    coarse = digest_recall(model, toks, block_size=8, k_pages=3, queries=3)
+    coarse = digest_recall(model, toks, RecallSetting(block_size=8, k_pages=3), queries=3)
     assert all(0.0 <= v <= 1.0 for v in coarse.values())

@@ -2,7 +2,7 @@
 
 from gemini_jax.eval.needle import NeedleResult, is_correct, needle
 from gemini_jax.eval.perplexity import perplexity, unigram_bits_per_byte
-from gemini_jax.eval.recall import digest_recall
+from gemini_jax.eval.recall import RecallSetting, digest_recall
 from gemini_jax.eval.report import write_needle
 
-__all__ = ["NeedleResult", "digest_recall", "is_correct", "needle", "perplexity", "unigram_bits_per_byte", "write_needle"]
+__all__ = ["NeedleResult", "RecallSetting", "digest_recall", "is_correct", "needle", "perplexity", "unigram_bits_per_byte", "write_needle"]

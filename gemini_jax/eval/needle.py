@@ -41,7 +41,7 @@ def is_correct(generated: str, key: str) -> bool:
 
 
 def needle(engine, lengths, depths, *, trials: int = 5, haystack: np.ndarray | None = None,
-           seed: int = 0, batch: int = 1, distractors: int = 0, progress: bool = True) -> NeedleResult:
+           seed: int = 0, batch: int = 1, distractors: int = 0) -> NeedleResult:
     """Accuracy per (length, depth) cell over `trials` needles each.
 
     haystack: uint8 text (default: the held-out standard-library sources). Trials are seeded
@@ -54,7 +54,8 @@ def needle(engine, lengths, depths, *, trials: int = 5, haystack: np.ndarray | N
     acc = np.zeros((len(lengths), len(depths)))
     records = []
     cells = [(i, j) for i in range(len(lengths)) for j in range(len(depths))]
-    bar = tqdm(total=len(cells) * trials, desc="needle", disable=not progress, unit="trial")
+    # A progress bar on a terminal; none in logs and tests (tqdm: disable=None).
+    bar = tqdm(total=len(cells) * trials, desc="needle", disable=None, unit="trial")
     for i, j in cells:
         examples = []
         for t in range(trials):

@@ -15,14 +15,14 @@ from gemini_jax.tokenizer import ByteTokenizer
 
 
 def perplexity(engine, context: int, *, windows: int = 4, scored: int = 128, text: np.ndarray | None = None,
-               seed: int = 0, progress: bool = True) -> dict:
+               seed: int = 0) -> dict:
     """Mean bits per byte over the last `scored` bytes of `windows` random windows of `context`."""
     if text is None:
         _, text = corpus.load_split("heldout")
     if scored >= context:
         raise ValueError(f"scored={scored} must be < context={context}.")
     nll = []
-    for w in tqdm(range(windows), desc=f"bpb@{context}", disable=not progress):
+    for w in tqdm(range(windows), desc=f"bpb@{context}", disable=None):  # a bar on a terminal only
         rng = np.random.default_rng([seed, context, w])
         window = tasks.text_window(text, context - 1, rng).astype(np.int32)
         toks = np.concatenate([[ByteTokenizer.BOS], window])

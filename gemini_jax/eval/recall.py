@@ -10,6 +10,8 @@ Sink and local pages are excluded on both sides: they are kept regardless of dig
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -42,13 +44,27 @@ def record_qk(model, tokens):
     return np.asarray(cache["q"][:, 0]), np.asarray(cache["k"][:, 0])
 
 
-def digest_recall(model, tokens, *, block_size: int, k_pages: int, kinds=("minmax", "mean"),
-                  queries: int = 16, sink_pages: int = 1, local_pages: int = 2, group_reduce: str = "max",
-                  rerank: int = 0) -> dict:
+@dataclass(frozen=True, kw_only=True)
+class RecallSetting:
+    """The selection a recall figure is about: `k_pages` of `block_size` tokens chosen among the
+    pages outside `sink_pages` + `local_pages` (always read), heads of a group reduced by
+    `group_reduce`; `rerank` >= 2: top rerank*k by digest, then the k with the largest exact q.k."""
+
+    block_size: int
+    k_pages: int
+    sink_pages: int = 1
+    local_pages: int = 2
+    group_reduce: str = "max"
+    rerank: int = 0
+
+
+def digest_recall(model, tokens, setting: RecallSetting, *, kinds=("minmax", "mean"), queries: int = 16) -> dict:
     """Mean recall per digest kind over the last `queries` positions, all layers and kv heads.
 
-    With `rerank` >= 2 each kind also gets "<kind>+rerank<n>": the digest scores' top n*k
+    With `setting.rerank` >= 2 each kind also gets "<kind>+rerank<n>": the digest scores' top n*k
     candidates, reranked by their exact largest q.k (as `SparseConfig.rerank` selects)."""
+    block_size, k_pages, rerank = setting.block_size, setting.k_pages, setting.rerank
+    sink_pages, local_pages, group_reduce = setting.sink_pages, setting.local_pages, setting.group_reduce
     cfg = model.cfg
     q_all, k_all = record_qk(model, tokens)
     T = len(tokens)

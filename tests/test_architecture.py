@@ -1,0 +1,120 @@
+"""Architecture checks: layers import only downward (import-linter's contract in pyproject.toml),
+no import cycle inside gemini_jax (function-local imports count), ruff's rules. Each check is
+also shown to fail on a planted violation, in a copy of the package."""
+
+import ast
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BIN = os.path.dirname(sys.executable)
+
+
+def _copy_tree(tmp_path):
+    """gemini_jax, pallas_kernels and pyproject.toml copied to tmp_path (to plant violations in)."""
+    for pkg in ("gemini_jax", "pallas_kernels"):
+        shutil.copytree(os.path.join(ROOT, pkg), tmp_path / pkg, ignore=shutil.ignore_patterns("assets", "__pycache__"))
+    shutil.copy(os.path.join(ROOT, "pyproject.toml"), tmp_path / "pyproject.toml")
+    return tmp_path
+
+
+def _lint_imports(cwd):
+    env = dict(os.environ, PYTHONPATH=str(cwd))
+    return subprocess.run([os.path.join(BIN, "lint-imports"), "--no-cache"], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def _cycles(path) -> list:
+    """Import cycles among gemini_jax's modules in the tree at `path` (grimp's graph, function-
+    local imports included), found in a fresh process so that tree is the one imported."""
+    script = ("import grimp, json, networkx\n"
+              "graph = grimp.build_graph('gemini_jax', cache_dir=None)\n"
+              "g = networkx.DiGraph()\n"
+              "for m in graph.modules:\n"
+              "    for dep in graph.find_modules_directly_imported_by(m):\n"
+              "        g.add_edge(m, dep)\n"
+              "print(json.dumps([sorted(c) for c in networkx.strongly_connected_components(g) if len(c) > 1]))\n")
+    out = subprocess.run([sys.executable, "-c", script], cwd=path, env=dict(os.environ, PYTHONPATH=str(path)),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout)
+
+
+def private_imports(root) -> list[str]:
+    """`from x import _name` and `module._name` for a module bound by an import, in gemini_jax/:
+    a leading underscore means "this file only" (NamedTuple's `_replace` and friends excepted)."""
+    found = []
+    for dirpath, _, files in os.walk(os.path.join(root, "gemini_jax")):
+        for f in files:
+            if not f.endswith(".py"):
+                continue
+            path = os.path.join(dirpath, f)
+            tree = ast.parse(open(path).read(), path)
+            modules = set()
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom):
+                    for alias in node.names:
+                        if alias.name.startswith("_") and not alias.name.startswith("__"):
+                            found.append(f"{os.path.relpath(path, root)}:{node.lineno}: from {node.module} import "
+                                         f"{alias.name}")
+                        modules.add(alias.asname or alias.name)
+                elif isinstance(node, ast.Import):
+                    modules.update((a.asname or a.name).split(".")[0] for a in node.names)
+            for node in ast.walk(tree):
+                if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules
+                        and node.attr.startswith("_") and not node.attr.startswith("__")
+                        and node.attr not in ("_replace", "_asdict", "_fields", "_make")):
+                    found.append(f"{os.path.relpath(path, root)}:{node.lineno}: {node.value.id}.{node.attr}")
+    return found
+
+
+def test_layers_contract_kept():
+    out = _lint_imports(ROOT)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    assert "gemini_jax layers import only downward KEPT" in out.stdout
+
+
+def test_layers_contract_refuses_an_upward_import(tmp_path):
+    tree = _copy_tree(tmp_path)
+    with open(tree / "gemini_jax" / "cache" / "store.py", "a") as fh:  # a function-local one counts too
+        fh.write("\n\ndef _planted():\n    from gemini_jax import engine  # noqa\n    return engine\n")
+    out = _lint_imports(tree)
+    assert out.returncode != 0, out.stdout[-3000:]
+    assert "gemini_jax.cache is not allowed to import gemini_jax.engine" in out.stdout
+
+
+def test_no_import_cycle_inside_gemini_jax():
+    assert _cycles(ROOT) == []
+
+
+def test_cycle_check_finds_a_planted_cycle(tmp_path):
+    tree = _copy_tree(tmp_path)
+    with open(tree / "gemini_jax" / "runtime" / "counters.py", "a") as fh:
+        fh.write("\n\ndef _planted():\n    from gemini_jax.runtime import tiered  # noqa\n    return tiered\n")
+    cycles = _cycles(tree)
+    assert any("gemini_jax.runtime.counters" in c for c in cycles), cycles
+
+
+def test_ruff_passes_and_refuses_more_than_8_parameters(tmp_path):
+    ruff = [os.path.join(BIN, "ruff"), "check", "--output-format", "json", "--no-cache"]
+    out = subprocess.run(ruff + ["."], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:]
+    tree = _copy_tree(tmp_path)
+    bad = tree / "gemini_jax" / "planted.py"
+    bad.write_text("def f(a, b, c, d, e, f_, g, h, i):\n    return a\n")
+    out = subprocess.run(ruff + [str(bad)], cwd=tree, capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0 and "PLR0913" in {v["code"] for v in json.loads(out.stdout)}, out.stdout
+
+
+def test_no_private_names_across_modules(tmp_path):
+    assert private_imports(ROOT) == []
+    tree = _copy_tree(tmp_path)
+    (tree / "gemini_jax" / "planted.py").write_text(
+        "from gemini_jax.runtime.tiered import _front\nfrom gemini_jax.runtime import tiered\n\n\n"
+        "def f():\n    return _front, tiered._back\n")
+    assert private_imports(tree) == ["gemini_jax/planted.py:1: from gemini_jax.runtime.tiered import _front",
+                                      "gemini_jax/planted.py:6: tiered._back"]
