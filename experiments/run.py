@@ -152,7 +152,7 @@ def run_needle(cfg, model, tok, desc):
         print(f"{L:>8}  " + "  ".join(f"{a:.2f}" for a in accs))
     print(f"{'overall accuracy':<28}{res.overall:.3f}")
     print(f"{'written':<28}{paths['md']}")
-    return {"stats": eng.stats, **res.to_dict()}
+    return {"stats": dict(eng.stats), **res.to_dict()}
 
 
 def run_perplexity(cfg, model, tok, desc):
@@ -178,7 +178,7 @@ def run_perplexity(cfg, model, tok, desc):
         fh.write(f"### bits per byte, held-out stdlib ({desc})\n\n| context | bits/byte |\n|---|---|\n")
         fh.writelines(f"| {r['context']} | {r['bits_per_byte']:.3f} |\n" for r in rows)
         fh.write(f"| unigram baseline | {uni:.3f} |\n")
-    return {"stats": eng.stats, **result}
+    return {"stats": dict(eng.stats), **result}
 
 
 def run_fullstack(cfg, model, tok, desc):

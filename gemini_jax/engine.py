@@ -58,7 +58,7 @@ class Engine:
         graphdef, params = nnx.split(model)
         c = self.config.cache
         self.cache_dtype = jnp.dtype(c.dtype or model.cfg.dtype)
-        self.stats = new_stats()  # cumulative over the engine's life
+        self.stats = new_stats()  # cumulative over the engine's life (read it like a dict)
         self.kv = None  # host page bookkeeping (paged caches)
         self.store = None  # the one owner of device KV (paged caches)
         self._closed = False
@@ -137,9 +137,8 @@ class Engine:
             t, lg = self._generate_group(checked[g:g + mb], params, g, stats, secs, return_logits)
             tokens += t
             logits += lg
-        for k, v in stats.items():
-            self.stats[k] += v
-        return GenerateOutput(tokens[0] if single else tokens, stats,
+        self.stats.add(stats)
+        return GenerateOutput(tokens[0] if single else tokens, stats.as_dict(),
                               (logits[0] if single else logits) if return_logits else None, secs)
 
     # ---- interruptible sessions (gemini_jax.session) --------------------------------------
@@ -212,9 +211,8 @@ class Engine:
             _, lg = self._generate_group([toks], params, i, stats, secs, True, forced=[forced])
             logp = jax.nn.log_softmax(jnp.asarray(lg[0]), axis=-1)
             out.append(np.asarray(jnp.take_along_axis(logp, jnp.asarray(forced)[:, None], -1)[:, 0]))
-        for k, v in stats.items():
-            self.stats[k] += v
-        return GenerateOutput(out[0] if single else out, stats, None, secs)
+        self.stats.add(stats)
+        return GenerateOutput(out[0] if single else out, stats.as_dict(), None, secs)
 
     def _generate_group(self, prompts, params, first_seq_id, stats, secs, return_logits,
                         forced=None):
@@ -250,8 +248,8 @@ class Engine:
                     break
                 logits = runner.decode(nxt, lengths)
                 lengths = lengths + 1  # a new array: the runner may still read the old one (async)
-                stats["decode_steps"] += 1
-                stats["compute_units"] += B * cfg.num_layers
+                stats.decode_steps += 1
+                stats.compute_units += B * cfg.num_layers
             jax.block_until_ready(logits)
             secs["decode"] += time.perf_counter() - t0
         finally:

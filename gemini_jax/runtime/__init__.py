@@ -10,13 +10,13 @@ the counters (`counters`) and, over the page pool, one layer body (`cache.paged.
 
 from gemini_jax.runtime.context import RunContext
 from gemini_jax.runtime.contiguous import ContiguousRunner
-from gemini_jax.runtime.counters import COUNTERS, new_stats
+from gemini_jax.runtime.counters import COUNTERS, Counters, new_stats
 from gemini_jax.runtime.paged import PagedRunner
 from gemini_jax.runtime.tiered import TieredRunner
 from gemini_jax.tiers.kv_store import TieredStore
 
 
-def make_runner(ctx: RunContext, batch: int, stats: dict):
+def make_runner(ctx: RunContext, batch: int, stats: Counters):
     """The runner for the engine's cache: contiguous (no store), paged, or tiered."""
     if ctx.store is None:
         return ContiguousRunner(ctx, batch, stats)
@@ -25,4 +25,4 @@ def make_runner(ctx: RunContext, batch: int, stats: dict):
     return PagedRunner(ctx, batch, stats)
 
 
-__all__ = ["COUNTERS", "ContiguousRunner", "PagedRunner", "RunContext", "TieredRunner", "make_runner", "new_stats"]
+__all__ = ["COUNTERS", "Counters", "ContiguousRunner", "PagedRunner", "RunContext", "TieredRunner", "make_runner", "new_stats"]

@@ -7,11 +7,11 @@ import jax.numpy as jnp
 from gemini_jax.cache import ContiguousKV
 from gemini_jax.runtime.chunking import prefill_pieces
 from gemini_jax.runtime.context import RunContext
-from gemini_jax.runtime.counters import count_prefill
+from gemini_jax.runtime.counters import Counters, count_prefill
 
 
 class ContiguousRunner:
-    def __init__(self, ctx: RunContext, batch: int, stats: dict):
+    def __init__(self, ctx: RunContext, batch: int, stats: Counters):
         self.ctx, self.stats, self.batch = ctx, stats, batch
         self.cache = ContiguousKV.create(ctx.model_cfg, batch, ctx.config.max_seq_len, ctx.cache_dtype)
 
@@ -30,7 +30,7 @@ class ContiguousRunner:
         logits, self.cache = ctx.step(ctx.params, self.cache._replace(rows=jnp.arange(self.batch, dtype=jnp.int32)),
                                       jnp.asarray(nxt[:, None]), jnp.asarray(lengths[:, None]),
                                       jnp.zeros(self.batch, jnp.int32))
-        self.stats["kv_bytes_read"] += self.cache.bytes_per_read(self.batch)
+        self.stats.kv_bytes_read += self.cache.bytes_per_read(self.batch)
         return logits
 
     def close(self):

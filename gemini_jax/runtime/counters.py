@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 
 from gemini_jax.attention import digests
 from gemini_jax.config import EngineConfig, ModelConfig
@@ -15,8 +16,46 @@ COUNTERS = (
 )
 
 
-def new_stats() -> dict:
-    return {k: (0.0 if k == "stall_seconds" else 0) for k in COUNTERS}
+@dataclass(kw_only=True)
+class Counters(Mapping):
+    """The counters a runner adds to: typed fields (a misspelt counter is an AttributeError, not
+    a new key), read like a mapping (`c["kv_bytes_read"]`, `dict(c)`, `set(c) == set(COUNTERS)`)."""
+
+    prefill_tokens_computed: int = 0
+    prefill_tokens_reused: int = 0
+    decode_steps: int = 0
+    kv_bytes_read: int = 0
+    digest_bytes_read: int = 0
+    pages_selected: int = 0
+    pages_fetched_host: int = 0
+    pages_fetched_disk: int = 0
+    prefetch_hits: int = 0
+    prefetch_misses: int = 0
+    stall_seconds: float = 0.0
+    compute_units: int = 0
+
+    def __getitem__(self, name: str):
+        if name not in COUNTERS:
+            raise KeyError(name)
+        return getattr(self, name)
+
+    def __iter__(self):
+        return iter(COUNTERS)
+
+    def __len__(self) -> int:
+        return len(COUNTERS)
+
+    def add(self, other: Mapping) -> None:
+        """Add another set of counters (a `Counters` or a mapping of the same names) to these."""
+        for name in COUNTERS:
+            setattr(self, name, getattr(self, name) + other[name])
+
+    def as_dict(self) -> dict:
+        return {name: getattr(self, name) for name in COUNTERS}
+
+
+def new_stats() -> Counters:
+    return Counters()
 
 
 def page_bytes(model_cfg: ModelConfig, block_size: int, itemsize: int) -> int:
@@ -24,23 +63,23 @@ def page_bytes(model_cfg: ModelConfig, block_size: int, itemsize: int) -> int:
     return block_size * model_cfg.head_dim * itemsize
 
 
-def count_decode_reads(stats: dict, config: EngineConfig, model_cfg: ModelConfig, reads: DecodeReads) -> None:
+def count_decode_reads(stats: Counters, config: EngineConfig, model_cfg: ModelConfig, reads: DecodeReads) -> None:
     """Add one decode step's reads to `stats`: KV bytes (K and V of every (page, kv head) pair
     attended, keys alone of reranked candidates), pages selected, and the digest bytes that
     selection scored (every page of the block table in every sparse layer)."""
     per_pair = page_bytes(model_cfg, config.cache.block_size, reads.kv_itemsize)
-    stats["kv_bytes_read"] += (2 * reads.page_reads + reads.key_reads) * per_pair
+    stats.kv_bytes_read += (2 * reads.page_reads + reads.key_reads) * per_pair
     sp = config.sparse
     if sp.enabled:
-        stats["pages_selected"] += reads.page_reads
+        stats.pages_selected += reads.page_reads
         sparse_layers = max(model_cfg.num_layers - sp.dense_layers, 0)
-        stats["digest_bytes_read"] += (sparse_layers * reads.batch * reads.table_width * model_cfg.num_kv_heads
+        stats.digest_bytes_read += (sparse_layers * reads.batch * reads.table_width * model_cfg.num_kv_heads
                                        * digests.ROWS[sp.digest] * model_cfg.head_dim * reads.digest_itemsize)
 
 
-def count_prefill(stats: dict, model_cfg: ModelConfig, tokens: int) -> None:
-    stats["prefill_tokens_computed"] += tokens
-    stats["compute_units"] += tokens * model_cfg.num_layers
+def count_prefill(stats: Counters, model_cfg: ModelConfig, tokens: int) -> None:
+    stats.prefill_tokens_computed += tokens
+    stats.compute_units += tokens * model_cfg.num_layers
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,3 +93,6 @@ class DecodeReads:
     table_width: int
     kv_itemsize: int
     digest_itemsize: int
+
+
+assert tuple(f.name for f in fields(Counters)) == COUNTERS  # NOTE: the two lists move together

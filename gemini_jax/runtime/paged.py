@@ -16,7 +16,7 @@ from gemini_jax.cache.store import DeviceKV
 from gemini_jax.runtime.batch import StepBatch
 from gemini_jax.runtime.chunking import call_width, prefill_pieces
 from gemini_jax.runtime.context import RunContext
-from gemini_jax.runtime.counters import DecodeReads, count_decode_reads, count_prefill
+from gemini_jax.runtime.counters import Counters, DecodeReads, count_decode_reads, count_prefill
 
 
 class PageRunner(abc.ABC):
@@ -24,7 +24,7 @@ class PageRunner(abc.ABC):
     cached for prefix reuse until reallocated). A subclass supplies `_call(batch) -> (logits,
     (page_reads, key_reads, table_width))` and may extend `_reserve`."""
 
-    def __init__(self, ctx: RunContext, batch: int, stats: dict):
+    def __init__(self, ctx: RunContext, batch: int, stats: Counters):
         self.ctx, self.stats = ctx, stats
         self.ids = ctx.new_ids(batch)
         self.window = ctx.model_cfg.max_window
@@ -34,7 +34,7 @@ class PageRunner(abc.ABC):
         """Add sequence `row` with prompt `toks` (reusing cached prefix pages); last logits."""
         sid = self.ids[row]
         reused = self.ctx.kv.add_sequence(sid, toks)
-        self.stats["prefill_tokens_reused"] += reused
+        self.stats.prefill_tokens_reused += reused
         return self._prefill_from(sid, np.asarray(toks, np.int32), reused)
 
     def prefill_more(self, row, toks):

@@ -51,6 +51,7 @@ from gemini_jax.model import layers
 from gemini_jax.runtime.batch import CallArrays, LayerArrays, LayerProgram, StepBatch
 from gemini_jax.runtime.chunking import call_width
 from gemini_jax.runtime.context import RunContext
+from gemini_jax.runtime.counters import Counters
 from gemini_jax.runtime.fused import FusedDecode
 from gemini_jax.runtime.paged import PageRunner
 from gemini_jax.tiers.kv_store import TieredStore
@@ -138,7 +139,7 @@ def _attend(prog: LayerProgram, kv: DeviceKV, layer: LayerArrays, q, view: tuple
 class TieredRunner(PageRunner):
     """Sequences of one batch, run layer by layer over a `TieredStore`."""
 
-    def __init__(self, ctx: RunContext, batch: int, stats: dict):
+    def __init__(self, ctx: RunContext, batch: int, stats: Counters):
         super().__init__(ctx, batch, stats)
         self.t: TieredStore = ctx.store
         cfg, sp = ctx.model_cfg, ctx.config.sparse
@@ -281,7 +282,7 @@ class TieredRunner(PageRunner):
         """Add the prefetcher's counters since `before` (a copy of its stats) to the run's."""
         now = self.t.prefetcher.stats
         for key in ("prefetch_hits", "prefetch_misses", "pages_fetched_host", "pages_fetched_disk", "stall_seconds"):
-            self.stats[key] += now[key] - before[key]
+            setattr(self.stats, key, getattr(self.stats, key) + now[key] - before[key])
 
     def _call_fused(self, batch: StepBatch, bt, tokens_d, call: CallArrays, writes: tuple, before: dict):
         """A sparse decode step as one device program (`gemini_jax.runtime.fused`); the host's

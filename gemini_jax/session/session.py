@@ -58,7 +58,7 @@ class Session:
 
     @property
     def compute_units(self) -> int:
-        return self.stats["compute_units"]
+        return self.stats.compute_units
 
     def charge(self, units: int, what: str) -> None:
         """Refuse (BudgetExceeded) work of `units` compute units that would pass the budget."""
@@ -130,8 +130,8 @@ class Session:
         tok = int(np.asarray(sample_with(self.params, self.logits, [self.sample_index], [pos]))[0])
         # Write the token's KV now, so every boundary is a complete state (see module doc).
         self.logits = self._runner.decode(np.asarray([tok], np.int32), np.asarray([pos], np.int32))
-        self.stats["decode_steps"] += 1
-        self.stats["compute_units"] += cfg.num_layers
+        self.stats.decode_steps += 1
+        self.stats.compute_units += cfg.num_layers
         self.generated.append(tok)
         self.new_tokens += 1
         if self.params.stop_at_eos and cfg.eos_id is not None and tok == cfg.eos_id:
@@ -160,8 +160,7 @@ class Session:
         if self.seq_id in self.engine.kv.seqs:
             self.engine.kv.free(self.seq_id)
         if not getattr(self, "_closed", False):
-            for k, v in self.stats.items():
-                self.engine.stats[k] += v
+            self.engine.stats.add(self.stats)
             self._closed = True
 
     def __enter__(self):
@@ -189,6 +188,6 @@ def restore_session(engine, path: str, *, params: SamplingParams | None = None, 
     sess.generated = list(meta["generated"])
     sess.new_tokens = meta["new_tokens"]
     sess.finished = meta["finished"]
-    sess.stats["compute_units"] = meta["compute_units"]
+    sess.stats.compute_units = meta["compute_units"]
     sess.snapshot_hash = digest
     return sess
