@@ -141,7 +141,7 @@ class FusedDecode:
     its callbacks (the runner does the step's bookkeeping afterwards)."""
 
     def __init__(self, store: TieredStore, ctx: RunContext):
-        self.t = store
+        self.store = store
         self.ctx = ctx
         self._programs: dict = {}
         self._error: Exception | None = None
@@ -150,44 +150,44 @@ class FusedDecode:
 
     def usable(self, B: int) -> bool:
         """Whether a step of B sequences runs as one program (else: layer by layer)."""
-        ctx, t = self.ctx, self.t
+        ctx, store = self.ctx, self.store
         sp = ctx.config.sparse
-        if not (sp.enabled and sp.dense_layers == 0 and t.mesh is None and t.tc.fused_decode
-                and t.selection_edit is None):
+        if not (sp.enabled and sp.dense_layers == 0 and store.mesh is None and store.tc.fused_decode
+                and store.selection_edit is None):
             return False
         # One layer's selection (every kv head may pick different pages) plus the pinned pages
         # must fit its slots at once.
-        pins = max(t.slots.pinned_count(layer) for layer in range(ctx.model_cfg.num_layers))
-        return B * ctx.model_cfg.num_kv_heads * (sp.budget // t.S) + pins <= t.slots.capacity
+        pins = max(store.slots.pinned_count(layer) for layer in range(ctx.model_cfg.num_layers))
+        return B * ctx.model_cfg.num_kv_heads * (sp.budget // store.S) + pins <= store.slots.capacity
 
     # ---- callbacks (run on the host while the program waits) ---------------------------------
     def serve(self, layer: int, phys, missing):
         """Admit and read the missing pages of `layer`; padded to the program's static size."""
-        t = self.t
+        store = self.store
         M = self.batch
         # Callbacks may receive jax arrays: index them as numpy (a jax boolean index is an eager
         # op with a data-dependent shape, compiled anew on every call).
         phys, missing = np.asarray(phys), np.asarray(missing)
-        K, S, D = t.cfg.num_kv_heads, t.S, t.cfg.head_dim
-        slots = np.full(M, t.n_slots + 1, np.int32)
-        pages = np.full(M, t.num_pages, np.int32)
-        evicted = np.full(M, t.num_pages, np.int32)
-        ks = np.zeros((M, K, S, D), t.np_dtype)
-        vs = np.zeros((M, K, S, D), t.np_dtype)
+        K, S, D = store.cfg.num_kv_heads, store.S, store.cfg.head_dim
+        slots = np.full(M, store.n_slots + 1, np.int32)
+        pages = np.full(M, store.num_pages, np.int32)
+        evicted = np.full(M, store.num_pages, np.int32)
+        ks = np.zeros((M, K, S, D), store.np_dtype)
+        vs = np.zeros((M, K, S, D), store.np_dtype)
         if self._error is not None:
             return np.bool_(False), slots, pages, evicted, ks, vs
         try:
             protect = frozenset((layer, int(p)) for p in np.unique(phys) if p != 0)
             for i, p in enumerate(np.unique(phys[missing])[:M]):
                 key = (layer, int(p))
-                page = t.read_below(key)
-                a = t.slots.admit(key, protect=protect)
-                t.place(a)
+                page = store.read_below(key)
+                a = store.slots.admit(key, protect=protect)
+                store.place(a)
                 if a.evicted is not None:
                     evicted[i] = a.evicted[1]
                 slots[i], pages[i] = a.slot, int(p)
                 ks[i], vs[i] = page.k, page.v
-            if not (pages < t.num_pages).any():
+            if not (pages < store.num_pages).any():
                 raise TierError(f"layer {layer}: the device program reported missing pages but none could be "
                                 f"brought in (internal residency mismatch).")
         except Exception as err:  # raised by the step once the program returns (typed, not wrapped)
@@ -197,42 +197,42 @@ class FusedDecode:
 
     def speculate(self, layer: int, guess) -> None:
         """A lookahead guess for `layer` of this step: start fetching its pages now."""
-        t = self.t
+        store = self.store
         if self._error is not None:
             return
         try:
-            t.predictor.speculate(layer, self._bt, np.asarray(guess), self._ends)
-            t.prefetch(t.predictor.lookahead_keys(layer))
+            store.predictor.speculate(layer, self._bt, np.asarray(guess), self._ends)
+            store.prefetch(store.predictor.lookahead_keys(layer))
         except Exception as err:
             self._error = err
 
     # ---- the step ----------------------------------------------------------------------------
     def program(self, B: int, W: int):
-        ctx, t = self.ctx, self.t
+        ctx, store = self.ctx, self.store
         sp = ctx.config.sparse
         key = (B, W)
         if key not in self._programs:
-            ahead = t.tc.prefetch_depth > 0 and t.tc.lookahead > 0
+            ahead = store.tc.prefetch_depth > 0 and store.tc.lookahead > 0
             spec = FusedSpec(model_cfg=ctx.model_cfg, sp=sp,
-                             sp_ahead=dataclasses.replace(sp, budget=sp.budget * t.tc.lookahead) if ahead else None,
-                             depth=t.tc.prefetch_depth, block_size=t.S, fetch_batch=self.batch,
-                             dtype=jnp.dtype(t.dtype))
+                             sp_ahead=dataclasses.replace(sp, budget=sp.budget * store.tc.lookahead) if ahead else None,
+                             depth=store.tc.prefetch_depth, block_size=store.S, fetch_batch=self.batch,
+                             dtype=jnp.dtype(store.dtype))
             self._programs[key] = _program(ctx.graphdef, self, spec)
         return self._programs[key]
 
     def __call__(self, tokens_d, call: CallArrays, bt, ends):
         """Run the step (`bt`, `ends`: the call's block tables and lengths as numpy, for the
         callbacks); returns (logits, selections i32[L, B, K, k] as numpy)."""
-        t = self.t
+        store = self.store
         self._error = None
         self._bt, self._ends = bt, ends
         run = self.program(*bt.shape)
 
         def step(kv):
-            logits, kv, sels = run(kv, self.ctx.params, tokens_d, call, jnp.array(t.page_to_slot, copy=True))
+            logits, kv, sels = run(kv, self.ctx.params, tokens_d, call, jnp.array(store.page_to_slot, copy=True))
             return kv, (logits, sels)
 
-        logits, sels = t.update(step)
+        logits, sels = store.update(step)
         sels = np.asarray(sels)  # waits for the program (and so for every callback)
         if self._error is not None:
             err, self._error = self._error, None

@@ -141,40 +141,40 @@ class TieredRunner(PageRunner):
 
     def __init__(self, ctx: RunContext, batch: int, stats: Counters):
         super().__init__(ctx, batch, stats)
-        self.t: TieredStore = ctx.store
+        self.store: TieredStore = ctx.store
         cfg, sp = ctx.model_cfg, ctx.config.sparse
         # Over tiers attention runs on the XLA path (EngineConfig refuses "pallas" with tiers).
         self.prog = LayerProgram(graphdef=ctx.graphdef, attention=AttentionImpl.of(cfg, "xla"),
-                                 digest_kind=sp.digest if sp.enabled else None, block_size=self.t.S)
+                                 digest_kind=sp.digest if sp.enabled else None, block_size=self.store.S)
         self.inv_freq = jnp.asarray(layers.inv_frequencies(cfg.rope, cfg.head_dim))
         # sparse.score_distance: digests of keys before rope, queries turned to that distance.
         self.unrope = self.inv_freq if sp.enabled and sp.score_distance > 0 else None
-        self.layers = [LayerArrays(i, w) for i, w in zip(self.t.layer_ids, self.t.windows)]
-        self.fused = FusedDecode(self.t, ctx)
+        self.layer_args = [LayerArrays(i, w) for i, w in zip(self.store.layer_ids, self.store.windows)]
+        self.fused = FusedDecode(self.store, ctx)
 
     # ---- bookkeeping ----------------------------------------------------------------------------
     def _reserve(self, sid, total):
         seq = self.ctx.kv.seqs[sid]
         before = len(seq.pages)
         self.ctx.kv.reserve(sid, total)
-        self.t.forget(seq.pages[before:])
+        self.store.forget(seq.pages[before:])
 
     def _pins(self, bt, starts, ends):
-        t, S, kv = self.t, self.t.S, self.ctx.kv
+        store, S, kv = self.store, self.store.S, self.ctx.kv
         # Every live sequence of the batch keeps its sink and last pages (its partial page among
         # them) pinned, not only the ones in this call: prefill runs one sequence at a time.
         # A call continues the partial page that was the last before it and pins the pages after it.
         live = [s for s in self.ids if s in kv.seqs]
         width = max(len(kv.seqs[s].pages) for s in live)
-        fixed = t.hot.fixed(kv.block_tables(live, width), [kv.seqs[s].num_tokens for s in live], block_size=S)
-        fixed |= t.hot.fixed(bt, starts, block_size=S) | t.hot.fixed(bt, ends, block_size=S)
-        t.slots.set_pins("fixed", fixed)
+        fixed = store.hot.fixed(kv.block_tables(live, width), [kv.seqs[s].num_tokens for s in live], block_size=S)
+        fixed |= store.hot.fixed(bt, starts, block_size=S) | store.hot.fixed(bt, ends, block_size=S)
+        store.slots.set_pins("fixed", fixed)
 
     # ---- one call, layer by layer -----------------------------------------------------------------
     def _call(self, batch: StepBatch):
-        ctx, t = self.ctx, self.t
+        ctx, store = self.ctx, self.store
         cfg, sp = ctx.model_cfg, ctx.config.sparse
-        S, L = t.S, cfg.num_layers
+        S, L = store.S, cfg.num_layers
         width = call_width(ctx.config, ctx.kv, batch.ids, batch.width)
         bt = ctx.kv.block_tables(batch.ids, width)  # page ids, 0 = null
         starts, ends, positions = batch.starts, batch.ends, batch.positions
@@ -185,7 +185,7 @@ class TieredRunner(PageRunner):
         call = CallArrays(jnp.array(positions, jnp.int32, copy=True), jnp.array(bt, copy=True),
                           jnp.array(ends, jnp.int32, copy=True), self.inv_freq, self.unrope)
         windows = cfg.layer_windows
-        before = dict(t.prefetcher.stats)
+        before = dict(store.prefetcher.stats)
         reads = 0
         # Pages written by this call, and those it fills (which then go below), per row.
         written = [list(range(int(s) // S, (int(en) - 1) // S + 1)) for s, en in zip(starts, ends)]
@@ -195,51 +195,51 @@ class TieredRunner(PageRunner):
         fresh = sorted({int(bt[b, p]) for b in range(B) for p in written[b]} - set(continued))
         fill_pages_ids = sorted({int(bt[b, p]) for b in range(B) for p in filled[b]})
         if batch.decode and self.fused.usable(B):
-            t.fused_steps += 1
+            store.fused_steps += 1
             writes = (continued, fresh, fill_pages_ids)
             logits, reads = self._call_fused(batch, bt, tokens_d, call, writes, before)
             return logits, (reads, 0, width)
         h = _embed(self.prog, ctx.params, tokens_d)
-        depth = t.tc.prefetch_depth
-        ahead_on = batch.decode and sp.enabled and depth > 0 and t.tc.lookahead > 0
+        depth = store.tc.prefetch_depth
+        ahead_on = batch.decode and sp.enabled and depth > 0 and store.tc.lookahead > 0
         # The lookahead guesses roughly: it selects `lookahead` x the budget.
-        sp_ahead = dataclasses.replace(sp, budget=sp.budget * t.tc.lookahead) if ahead_on else None
+        sp_ahead = dataclasses.replace(sp, budget=sp.budget * store.tc.lookahead) if ahead_on else None
         for layer in range(L):
-            here = self.layers[layer]
+            here = self.layer_args[layer]
             window = int(windows[layer])
             # Lookahead targets: layer l+depth; layer 0 also covers 1 .. depth-1 (no earlier input
             # exists in this step). Dispatched now, read after this layer attends.
             targets = range(1, depth + 1) if layer == 0 else (layer + depth,)
-            ahead = {j: _lookahead(self.prog, ctx.params, self.layers[j], h, call, t.device.digests, sp=sp_ahead)
+            ahead = {j: _lookahead(self.prog, ctx.params, self.layer_args[j], h, call, store.device.digests, sp=sp_ahead)
                      for j in targets if ahead_on and sp.dense_layers <= j < L}
             # The pages written here: fresh ones need no fetch; a continued partial page is pinned.
             try:
-                t.admit(layer, continued + fresh, fetch=set(continued))
+                store.admit(layer, continued + fresh, fetch=set(continued))
             except CacheExhausted as err:
                 raise CacheExhausted(
                     f"this call writes {len(continued + fresh)} pages per layer, which with the pinned pages "
-                    f"do not fit {t.slots.capacity} device slots: lower prefill_chunk or max_batch, or raise "
+                    f"do not fit {store.slots.capacity} device slots: lower prefill_chunk or max_batch, or raise "
                     f"tier.device_pages / device_fraction. ({err})") from None
-            slot_table = t.page_to_slot[layer][bt]  # fresh array: passed as is (no eager device_put)
+            slot_table = store.page_to_slot[layer][bt]  # fresh array: passed as is (no eager device_put)
             sparse_here = sp.enabled and layer >= sp.dense_layers and (T == 1 or sp.sparse_prefill)
 
             def front(kv, here=here, slot_table=slot_table, h=h, sp_here=sp if sparse_here else None):
                 q, kv, selected = _front(self.prog, kv, ctx.params, here, slot_table, h, call, sp=sp_here)
                 return kv, (q, selected)
 
-            q, sel_d = t.update(front)
-            t.put_below(layer, fill_pages_ids)
+            q, sel_d = store.update(front)
+            store.put_below(layer, fill_pages_ids)
             # Which pages the queries read.
             shift = None
             if sparse_here:
                 selected = np.asarray(sel_d)
-                if t.selection_edit is not None:
-                    selected = np.asarray(t.selection_edit(layer, batch.decode, np.array(positions), selected),
+                if store.selection_edit is not None:
+                    selected = np.asarray(store.selection_edit(layer, batch.decode, np.array(positions), selected),
                                           np.int32)
                 if sp.positions == "compact":  # from the whole selection, before it splits into groups
                     shift = compact_shift(selected, S)
-                if t.selection_log is not None:
-                    t.selection_log.append({"layer": layer, "decode": batch.decode, "selected": selected,
+                if store.selection_log is not None:
+                    store.selection_log.append({"layer": layer, "decode": batch.decode, "selected": selected,
                                             "positions": np.array(positions)})
             else:
                 selected = self._dense_needed(bt, positions, ends, window)
@@ -247,80 +247,80 @@ class TieredRunner(PageRunner):
             if selected.shape[1] == 1:
                 selected = np.broadcast_to(selected, (B, cfg.num_kv_heads, selected.shape[2]))
             if batch.decode:
-                t.hot.record((layer, int(bt[b, p])) for b in range(B) for p in np.unique(selected[b])
+                store.hot.record((layer, int(bt[b, p])) for b in range(B) for p in np.unique(selected[b])
                              if p >= 0 and bt[b, p] != 0)
-            t.predictor.observe(layer, bt, selected, ends)
+            store.predictor.observe(layer, bt, selected, ends)
             h = self._attend_groups(layer, q, (call, bt), Selection(selected, shift, None if shift is None
                                                                     else self.inv_freq), h)
-            t.prefetcher.release_layer(layer)
+            store.prefetcher.release_layer(layer)
             for j, sel_j in ahead.items():
-                t.predictor.speculate(j, bt, np.asarray(sel_j), ends)
-            t.prefetch(t.predictor.predict(layer))
+                store.predictor.speculate(j, bt, np.asarray(sel_j), ends)
+            store.prefetch(store.predictor.predict(layer))
         logits = _logits(self.prog, ctx.params, h, np.asarray(batch.select, np.int32))
         if ahead_on and sp.dense_layers == 0:
             self._guess_next_layer0(logits, call, bt, ends)
-            t.prefetch(t.predictor.lookahead_keys(0))
+            store.prefetch(store.predictor.lookahead_keys(0))
         if batch.decode:
-            hot = t.hot.end_step()
-            t.slots.set_pins("hot", hot)
+            hot = store.hot.end_step()
+            store.slots.set_pins("hot", hot)
         self._count_prefetch(before)
         return logits, (reads, 0, width)
 
     def _guess_next_layer0(self, logits, call: CallArrays, bt, ends) -> None:
         """The next step's layer 0 has no earlier layer to guess from: score its digests with the
         embedding of this step's argmax token (when the next token still fits the block table)."""
-        t = self.t
-        if int(np.max(ends)) >= bt.shape[1] * t.S:
+        store = self.store
+        if int(np.max(ends)) >= bt.shape[1] * store.S:
             return
         sp = self.ctx.config.sparse
-        sp_ahead = dataclasses.replace(sp, budget=sp.budget * t.tc.lookahead)
-        nxt = _lookahead_next(self.prog, self.ctx.params, self.layers[0], logits,
-                              call._replace(positions=call.positions + 1), t.device.digests, sp=sp_ahead)
-        t.predictor.speculate(0, bt, np.asarray(nxt), np.asarray(ends) + 1)
+        sp_ahead = dataclasses.replace(sp, budget=sp.budget * store.tc.lookahead)
+        nxt = _lookahead_next(self.prog, self.ctx.params, self.layer_args[0], logits,
+                              call._replace(positions=call.positions + 1), store.device.digests, sp=sp_ahead)
+        store.predictor.speculate(0, bt, np.asarray(nxt), np.asarray(ends) + 1)
 
     def _count_prefetch(self, before: dict) -> None:
         """Add the prefetcher's counters since `before` (a copy of its stats) to the run's."""
-        now = self.t.prefetcher.stats
+        now = self.store.prefetcher.stats
         for key in ("prefetch_hits", "prefetch_misses", "pages_fetched_host", "pages_fetched_disk", "stall_seconds"):
             setattr(self.stats, key, getattr(self.stats, key) + now[key] - before[key])
 
     def _call_fused(self, batch: StepBatch, bt, tokens_d, call: CallArrays, writes: tuple, before: dict):
         """A sparse decode step as one device program (`gemini_jax.runtime.fused`); the host's
         bookkeeping for the step runs after it. `writes` = (continued, fresh, filled) page ids."""
-        t, L = self.t, self.ctx.model_cfg.num_layers
+        store, L = self.store, self.ctx.model_cfg.num_layers
         continued, fresh, fill_pages_ids = writes
         for layer in range(L):  # the pages this step writes: resident before the program runs
-            t.admit(layer, continued + fresh, fetch=set(continued))
+            store.admit(layer, continued + fresh, fetch=set(continued))
         t0 = time.perf_counter()
         logits, sels = self.fused(tokens_d, call, bt, np.asarray(batch.ends))
-        t.fused_program_seconds += time.perf_counter() - t0
+        store.fused_program_seconds += time.perf_counter() - t0
         reads = 0
         for layer in range(L):
             selected = sels[layer]
-            if t.selection_log is not None:
-                t.selection_log.append({"layer": layer, "decode": True, "selected": selected,
+            if store.selection_log is not None:
+                store.selection_log.append({"layer": layer, "decode": True, "selected": selected,
                                         "positions": np.array(batch.positions)})
             reads += int(np.sum(selected >= 0))
             phys = np.take_along_axis(bt[:, None, :], np.maximum(selected, 0), axis=2)[selected >= 0]
             keys = [(layer, int(p)) for p in np.unique(phys) if p != 0]
             for key in keys:  # the program read them: they are the layer's most recently used
-                t.slots.touch(key)
-            t.hot.record(keys)
-            if t.tc.prefetch_depth > 0:  # history feeds only the prefetcher
-                t.predictor.observe(layer, bt, selected, batch.ends)
-            t.put_below(layer, fill_pages_ids)
-            t.prefetcher.release_layer(layer)
-        if t.tc.prefetch_depth > 0 and t.tc.lookahead > 0:
+                store.slots.touch(key)
+            store.hot.record(keys)
+            if store.tc.prefetch_depth > 0:  # history feeds only the prefetcher
+                store.predictor.observe(layer, bt, selected, batch.ends)
+            store.put_below(layer, fill_pages_ids)
+            store.prefetcher.release_layer(layer)
+        if store.tc.prefetch_depth > 0 and store.tc.lookahead > 0:
             self._guess_next_layer0(logits, call, bt, batch.ends)
         for layer in range(L):  # the next step's guesses (layer 0's lookahead first)
-            t.prefetch(t.predictor.predict(layer))
-        t.slots.set_pins("hot", t.hot.end_step())
+            store.prefetch(store.predictor.predict(layer))
+        store.slots.set_pins("hot", store.hot.end_step())
         self._count_prefetch(before)
         return logits, reads
 
     def _dense_needed(self, bt, positions, ends, window):
         """Every page a dense layer reads: [B, 1, n] logical ids, -1 padded (window-aware)."""
-        S = self.t.S
+        S = self.store.S
         rows = []
         for b in range(bt.shape[0]):
             n_pages = -(-int(ends[b]) // S)
@@ -339,11 +339,11 @@ class TieredRunner(PageRunner):
         """Layer `layer`'s second half: attention over `sel.pages` [B, K, n] in column groups whose
         pages fit the free slots, then the rest of the layer on `h`. `where` = (call, block
         tables). Returns the layer's output."""
-        t, ctx = self.t, self.ctx
+        store, ctx = self.store, self.ctx
         call, bt = where
         selected, shift, inv_freq = sel
         B, K, n = selected.shape
-        pinned = t.pinned_resident(layer)
+        pinned = store.pinned_resident(layer)
 
         def pages_of(cols):
             s = selected[:, :, cols]
@@ -357,26 +357,26 @@ class TieredRunner(PageRunner):
             size = -(-n // groups)
             parts = [slice(i, min(i + size, n)) for i in range(0, n, size)]
             sets = [pages_of(c) for c in parts]
-            if all(len(s | pinned) <= t.slots.capacity for s in sets):
+            if all(len(s | pinned) <= store.slots.capacity for s in sets):
                 break
             if size == 1:
                 raise CacheExhausted(
                     f"layer {layer}: one column of the selection needs {max(len(s) for s in sets)} pages but "
-                    f"{t.slots.capacity} device slots, {len(pinned)} of them pinned, cannot hold them; "
+                    f"{store.slots.capacity} device slots, {len(pinned)} of them pinned, cannot hold them; "
                     f"raise tier.device_pages / device_fraction or lower the batch, prefill_chunk or pins.")
             groups *= 2
-        here = self.layers[layer]
+        here = self.layer_args[layer]
         if len(parts) == 1:  # the common case: one fused call
-            t.admit(layer, sorted(sets[0]), fetch=True)
-            return _back(self.prog, t.device, ctx.params, here, (call, t.page_to_slot[layer][bt]), q, h, sel)
+            store.admit(layer, sorted(sets[0]), fetch=True)
+            return _back(self.prog, store.device, ctx.params, here, (call, store.page_to_slot[layer][bt]), q, h, sel)
         acc = None
         for cols, pages in zip(parts, sets):
-            t.admit(layer, sorted(pages), fetch=True)
+            store.admit(layer, sorted(pages), fetch=True)
             part = selected[:, :, cols]
             sh = None if shift is None else shift[:, :, cols]
             pad = ((0, 0), (0, 0), (0, pow2_at_least(part.shape[2]) - part.shape[2]))  # few shapes compile
             part = np.pad(part, pad, constant_values=-1)
             sh = None if sh is None else np.pad(sh, pad)
-            acc = _attend(self.prog, t.device, here, q, (call, t.page_to_slot[layer][bt]), Selection(part, sh, inv_freq),
+            acc = _attend(self.prog, store.device, here, q, (call, store.page_to_slot[layer][bt]), Selection(part, sh, inv_freq),
                           acc)
         return _finish(self.prog, ctx.params, here.index, h, acc[0])
