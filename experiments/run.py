@@ -3,9 +3,12 @@
     python experiments/run.py                                  # shipped tiny model, generate
     python experiments/run.py weights=/path/to/hf_dir model=llama3_1_8b sampling.max_new_tokens=32
     python experiments/run.py experiment=generate experiment.prompt='import os'
+    python experiments/run.py experiment=needle_keys experiment.lengths=[1024]   # a study
 
 Every job logs its config and counters to wandb (offline by default; WANDB_MODE=online works)
-and writes `result.json` into its Hydra output directory.
+and writes `result.json` into its Hydra output directory. A study (conf/experiment/<study>.yaml,
+workload in gemini_jax.eval.studies) also writes its record, `<results_dir>/<study>/<name>.json`
+and `.md` (gemini_jax.eval.record).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 import gemini_jax as gj
 from gemini_jax import tiny
 from gemini_jax.config import EngineConfig, HardwareConfig, ModelConfig, SamplingParams
+from gemini_jax.eval import studies
 from gemini_jax.hydra_schema import build, register
 
 register()
@@ -308,6 +312,33 @@ def run_fullstack(cfg, model, tok, desc):
             "after_resume": again, "kv_read_fraction_of_dense": read / dense_bytes, "model": desc}
 
 
+def job_command() -> str:
+    """The command line that reproduces this job: the script and its Hydra overrides."""
+    overrides = hydra.core.hydra_config.HydraConfig.get().overrides.task
+    return " ".join(["python experiments/run.py", *overrides])
+
+
+def run_study(cfg) -> dict:
+    """A study from gemini_jax.eval.studies: its Config from the experiment node, its workload, and
+    its record written to <results_dir>/<study>/<name>.json + .md (gemini_jax.eval.record)."""
+    import dataclasses
+
+    from gemini_jax.eval.record import make_record, write_record
+
+    name = cfg.experiment.name
+    study = studies.load(name)
+    data = OmegaConf.to_container(cfg.experiment, resolve=True)
+    data.pop("name")
+    scfg = build(study.Config, data)
+    res = study.run(scfg)
+    record = make_record(name, res, command=job_command(), config=dataclasses.asdict(scfg))
+    md = study.markdown(record)
+    paths = write_record(os.path.join(ROOT, cfg.results_dir), record, md)
+    print(md, end="")
+    print(f"wrote {paths['json']} and .md")
+    return {"stats": {}, "record": paths}
+
+
 EXPERIMENTS = {"generate": run_generate, "needle": run_needle, "perplexity": run_perplexity,
                "fullstack": run_fullstack}
 
@@ -325,14 +356,14 @@ def main(cfg: DictConfig) -> None:
               f"{jax.process_count()} process(es), {jax.device_count()} device(s)")
     hw = build(HardwareConfig, cfg.hardware)
     name = cfg.experiment.name
-    if name not in EXPERIMENTS:
-        raise gj.errors.ConfigError(f"experiment.name={name!r} must be one of {sorted(EXPERIMENTS)}.")
-    model, tok, desc = load_model(cfg)
+    if name not in EXPERIMENTS and name not in studies.NAMES:
+        raise gj.errors.ConfigError(f"experiment.name={name!r} must be one of {sorted([*EXPERIMENTS, *studies.NAMES])}.")
+    loaded = load_model(cfg) if name in EXPERIMENTS else None  # a study loads its own model
     wandb_dir = os.path.join(ROOT, cfg.wandb.dir)
     os.makedirs(wandb_dir, exist_ok=True)
     run = wandb.init(project=cfg.wandb.project, dir=wandb_dir, mode=cfg.wandb.mode, job_type=name,
                      config=OmegaConf.to_container(cfg, resolve=True))
-    result = EXPERIMENTS[name](cfg, model, tok, desc)
+    result = EXPERIMENTS[name](cfg, *loaded) if loaded else run_study(cfg)
     result["hardware"] = hw.name
     run.log({k: v for k, v in result["stats"].items()})
     run.finish()
