@@ -331,7 +331,8 @@ def run_study(cfg) -> dict:
     data.pop("name")
     scfg = build(study.Config, data)
     res = study.run(scfg)
-    record = make_record(name, res, command=job_command(), config=dataclasses.asdict(scfg))
+    config = json.loads(json.dumps(dataclasses.asdict(scfg)))  # tuples as lists, as the JSON will hold them
+    record = make_record(name, res, command=job_command(), config=config)
     md = study.markdown(record)
     paths = write_record(os.path.join(ROOT, cfg.results_dir), record, md)
     print(md, end="")

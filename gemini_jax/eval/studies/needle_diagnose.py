@@ -1,55 +1,55 @@
-"""Why a sparse needle answer fails: was the needle's page selected, layer by layer, at each answer step?
+"""Study `needle_diagnose`: why a sparse needle answer fails. Was the needle's page selected, layer by
+layer, at each answer step?
 
-    python experiments/needle_diagnose.py --lengths 8192 16384 --budget 1024
-    python experiments/needle_diagnose.py --lengths 16384 --budget 2048 --positions true
-
-Each trial decodes the 5-digit key greedily through the engine over tiers with every page on
-device (exact: the all-resident numbers), with the tiers' selection log on. For each answer step,
-each layer and each kv head it records whether the selection held a page of the needle's key
-(the marker byte and the digits). Written: experiments/results/needle_diagnosis_<name>.{json,md}
-with accuracy, the needle-page recall per layer (first answer step and all steps), recall in right
-vs wrong trials, and each wrong answer against its key (digit by digit).
+Each trial decodes the 5-digit key greedily through the engine over tiers with every page on device
+(exact: the all-resident numbers), with the tiers' selection log on. For each answer step, each
+layer and each kv head it records whether the selection held a page of the needle's key (the marker
+byte and the digits). The markdown gives accuracy, the needle-page recall per layer (first answer
+step and all steps), recall in right vs wrong trials, and each wrong answer against its key.
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import functools
-import json
-import os
-import sys
+from dataclasses import dataclass
 
 import numpy as np
 from tqdm import tqdm
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
+import gemini_jax as gj
+from gemini_jax.config import CacheConfig, EngineConfig, SamplingParams, SparseConfig, TierConfig
+from gemini_jax.data import corpus, tasks
+from gemini_jax.eval.needle import is_correct
+from gemini_jax.eval.record import StudyResult
+from gemini_jax.eval.studies import as_tuple, choice
 
-import gemini_jax as gj  # noqa: E402
-from gemini_jax.config import CacheConfig, EngineConfig, SamplingParams, SparseConfig, TierConfig  # noqa: E402
-from gemini_jax.data import corpus, tasks  # noqa: E402
-from gemini_jax.eval.needle import is_correct  # noqa: E402
 
+@dataclass(frozen=True, kw_only=True)
+class Config:
+    lengths: tuple[int, ...] = (8192, 16384)
+    depths: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)
+    trials: int = 2
+    budget: int = 1024
+    digest: str = "minmax"
+    positions: str = "compact"
+    block_size: int = 16
+    chunk: int = 1024
+    seed: int = 0
+    oracle: str = "off"
+    oracle_layers: tuple[int, ...] | None = None
+    out_name: str | None = None
 
-def parse(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--lengths", type=int, nargs="+", default=[8192, 16384])
-    p.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.3, 0.5, 0.7, 0.9])
-    p.add_argument("--trials", type=int, default=2)
-    p.add_argument("--budget", type=int, default=1024)
-    p.add_argument("--digest", default="minmax", choices=["minmax", "mean"])
-    p.add_argument("--positions", default="compact", choices=["true", "compact"])
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--chunk", type=int, default=1024)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--oracle", default="off", choices=["off", "prompt", "decode", "all"],
-                   help="force the needle's pages into the selections of the prompt's calls after the needle "
-                        "('prompt'), of the decode steps ('decode') or both: does the answer fail on selection?")
-    p.add_argument("--oracle-layers", type=int, nargs="+", default=None, help="layers the oracle edits (default all)")
-    p.add_argument("--name", default=None, help="output name (default from the settings)")
-    p.add_argument("--out", default=os.path.join(HERE, "results"))
-    return p.parse_args(argv)
+    def __post_init__(self):
+        as_tuple(self, "lengths", int)
+        as_tuple(self, "depths", float)
+        as_tuple(self, "oracle_layers", int)
+        choice(self, "digest", ("minmax", "mean"))
+        choice(self, "positions", ("true", "compact"))
+        choice(self, "oracle", ("off", "prompt", "decode", "all"))
+
+    @property
+    def stem(self) -> str:
+        return self.out_name or f"needle_diagnosis_{self.positions}_{self.digest}_{self.budget}"
 
 
 def needle_pages(ex, block_size: int) -> set[int]:
@@ -85,58 +85,49 @@ def force_pages(pages: set, layer, decode, positions, selected, *, when, layers,
     return out
 
 
-def main(argv=None) -> int:
-    a = parse(argv)
+def run(cfg: Config) -> StudyResult:
+    """Trial t at (length i, depth j) draws its haystack window and key from seed [seed, i, j, t]."""
     model = gj.load_tiny()
-    cfg = model.cfg
+    mcfg = model.cfg
     _, held = corpus.load_split("heldout")
-    sp = SparseConfig(enabled=True, budget=a.budget, digest=a.digest, sink_pages=1, local_pages=2,
-                      sparse_prefill=True, score_queries=64, positions=a.positions)
+    sp = SparseConfig(enabled=True, budget=cfg.budget, digest=cfg.digest, sink_pages=1, local_pages=2,
+                      sparse_prefill=True, score_queries=64, positions=cfg.positions)
     tier = TierConfig(enabled=True, device_fraction=1.0, prefetch_depth=0)
-    ecfg = EngineConfig(max_seq_len=max(a.lengths) + 16, max_batch=1, prefill_chunk=a.chunk,
-                        cache=CacheConfig(block_size=a.block_size, prefix_caching=False), sparse=sp, tier=tier)
+    ecfg = EngineConfig(max_seq_len=max(cfg.lengths) + 16, max_batch=1, prefill_chunk=cfg.chunk,
+                        cache=CacheConfig(block_size=cfg.block_size, prefix_caching=False), sparse=sp, tier=tier)
     params = SamplingParams(max_new_tokens=tasks.KEY_DIGITS + 1, temperature=0.0, stop_at_eos=False)
+    layers = list(cfg.oracle_layers) if cfg.oracle_layers else None
     trials = []
     with gj.Engine(model, ecfg) as eng:
         log = eng.tiered.selection_log = []
         forced: set = set()  # the running trial's needle pages, for the oracle
-        if a.oracle != "off":
+        if cfg.oracle != "off":
             eng.tiered.selection_edit = functools.partial(
-                force_pages, forced, when=a.oracle, layers=a.oracle_layers, sink_pages=sp.sink_pages, block_size=a.block_size)
-        cells = [(i, L, j, d, t) for i, L in enumerate(a.lengths) for j, d in enumerate(a.depths)
-                 for t in range(a.trials)]
+                force_pages, forced, when=cfg.oracle, layers=layers, sink_pages=sp.sink_pages,
+                block_size=cfg.block_size)
+        cells = [(i, L, j, d, t) for i, L in enumerate(cfg.lengths) for j, d in enumerate(cfg.depths)
+                 for t in range(cfg.trials)]
         for i, L, j, d, t in tqdm(cells, desc="needle diagnosis", unit="trial"):
-            ex = tasks.needle_example(held, L, d, np.random.default_rng([a.seed, i, j, t]))
-            pages = needle_pages(ex, a.block_size)
+            ex = tasks.needle_example(held, L, d, np.random.default_rng([cfg.seed, i, j, t]))
+            pages = needle_pages(ex, cfg.block_size)
             forced.clear()
             forced.update(pages)
             log.clear()
             out = eng.generate(list(map(int, ex.prompt)), params)
             text = bytes(x for x in out.tokens if x < 256).decode("utf-8", "replace")
             # Answer steps: the prompt's last call (its last query gives the first answer digit), then decode.
-            steps = [r for r in log if not r["decode"]][-cfg.num_layers:] + [r for r in log if r["decode"]]
+            steps = [r for r in log if not r["decode"]][-mcfg.num_layers:] + [r for r in log if r["decode"]]
             # hit[s, layer, head]: the selection of answer step s held a needle page
-            hit = np.zeros((len(steps) // cfg.num_layers, cfg.num_layers, cfg.num_kv_heads), bool)
+            hit = np.zeros((len(steps) // mcfg.num_layers, mcfg.num_layers, mcfg.num_kv_heads), bool)
             for n, r in enumerate(steps):
                 sel = r["selected"][0]  # [K, k]
                 for h in range(sel.shape[0]):
-                    hit[n // cfg.num_layers, r["layer"], h] = bool(pages & set(sel[h].tolist()))
+                    hit[n // mcfg.num_layers, r["layer"], h] = bool(pages & set(sel[h].tolist()))
             trials.append({"length": L, "depth": d, "trial": t, "key": ex.answer, "answer": text,
                            "correct": is_correct(text, ex.answer), "needle_pages": sorted(pages),
                            "hit": hit.tolist()})
-    result = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "command": "python experiments/needle_diagnose.py " + " ".join(sys.argv[1:] if argv is None else argv),
-              "args": {**vars(a), "out": os.path.relpath(a.out, os.path.dirname(HERE))}, "num_layers": cfg.num_layers, "num_kv_heads": cfg.num_kv_heads, "trials": trials}
-    name = a.name or f"{a.positions}_{a.digest}_{a.budget}"
-    os.makedirs(a.out, exist_ok=True)
-    stem = os.path.join(a.out, f"needle_diagnosis_{name}")
-    with open(stem + ".json", "w") as fh:
-        json.dump(result, fh, indent=1)
-    with open(stem + ".md", "w") as fh:
-        fh.write(markdown(result))
-    print(markdown(result))
-    print(f"wrote {stem}.json and .md")
-    return 0
+    return StudyResult(name=cfg.stem, records=trials, split="heldout", seeds=[cfg.seed],
+                       extra={"num_layers": mcfg.num_layers, "num_kv_heads": mcfg.num_kv_heads})
 
 
 def _recall(trials, first_only: bool):
@@ -149,8 +140,8 @@ def _recall(trials, first_only: bool):
     return np.mean(rows, axis=0) if rows else None
 
 
-def markdown(r) -> str:
-    a = r["args"]
+def markdown(r: dict) -> str:
+    a = r["config"]
     lines = [f"# Needle-page selection, {a['positions']} positions, {a['digest']} digests, budget {a['budget']}", "",
              f"Run {r['date']}: `{r['command']}`. The shipped tiny model; {a['trials']} trial(s) per (length, "
              f"depth), depths {a['depths']}; sparse prefill (last 64 queries of each {a['chunk']}-token chunk score "
@@ -163,7 +154,7 @@ def markdown(r) -> str:
     lines += ["| length | accuracy | recall, 1st answer step, layers 0…L-1 | recall, all steps | "
               "recall (all steps, mean over layers): right / wrong trials |", "|---|---|---|---|---|"]
     for L in a["lengths"]:
-        ts = [t for t in r["trials"] if t["length"] == L]
+        ts = [t for t in r["records"] if t["length"] == L]
         acc = np.mean([t["correct"] for t in ts])
         first, every = _recall(ts, True), _recall(ts, False)
         right = _recall([t for t in ts if t["correct"]], False)
@@ -172,7 +163,7 @@ def markdown(r) -> str:
         rw = (f"{right.mean():.2f}" if right is not None else "-") + " / " + (
             f"{wrong.mean():.2f}" if wrong is not None else "-")
         lines.append(f"| {L} | {acc:.0%} | {fmt(first)} | {fmt(every)} | {rw} |")
-    wrong = [t for t in r["trials"] if not t["correct"]]
+    wrong = [t for t in r["records"] if not t["correct"]]
     if wrong:
         lines += ["", "Wrong answers (digits that match the key in place):", "",
                   "| length | depth | key | answer | digits right |", "|---|---|---|---|---|"]
@@ -181,7 +172,3 @@ def markdown(r) -> str:
             lines.append(f"| {t['length']} | {t['depth']} | {t['key']} | `{t['answer']!r}` | {same} / "
                          f"{tasks.KEY_DIGITS} |")
     return "\n".join(lines) + "\n"
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
