@@ -148,8 +148,13 @@ def run_needle(cfg, model, tok, desc):
                 + (", compact positions" if e.sparse.positions == "compact" else "")
                 + (f", scored at distance {e.sparse.score_distance}" if e.sparse.score_distance else "")
                 + (f", rerank {e.sparse.rerank}" if e.sparse.rerank else "") if e.sparse.enabled else "dense"))
-    out_dir = os.path.join(ROOT, cfg.results_dir)
-    paths = write_needle(res, out_dir, ex.out_name, label, {"engine": OmegaConf.to_container(cfg.engine),
+    from gemini_jax.eval.record import provenance
+
+    out_dir = os.path.join(ROOT, cfg.results_dir, "needle")
+    meta = provenance(command=job_command(), config=OmegaConf.to_container(ex, resolve=True), split=ex.haystack,
+                      seeds=[int(cfg.seed)])
+    paths = write_needle(res, out_dir, ex.out_name, label, {"study": "needle", "name": ex.out_name, **meta,
+                                                            "engine": OmegaConf.to_container(cfg.engine),
                                                             "model": desc})
     print(f"model: {desc}")
     for L, accs in zip(res.lengths, res.accuracy):
@@ -172,16 +177,16 @@ def run_perplexity(cfg, model, tok, desc):
     for r in rows:
         print(f"{'bits/byte @' + str(r['context']):<28}{r['bits_per_byte']:.3f}")
     print(f"{'unigram baseline':<28}{uni:.3f}")
-    out_dir = os.path.join(ROOT, cfg.results_dir)
-    os.makedirs(out_dir, exist_ok=True)
-    result = {"rows": rows, "unigram_bits_per_byte": uni, "model": desc,
-              "engine": OmegaConf.to_container(cfg.engine)}
-    with open(os.path.join(out_dir, f"{ex.out_name}.json"), "w") as fh:
-        json.dump(result, fh, indent=1)
-    with open(os.path.join(out_dir, f"{ex.out_name}.md"), "w") as fh:
-        fh.write(f"### bits per byte, held-out stdlib ({desc})\n\n| context | bits/byte |\n|---|---|\n")
-        fh.writelines(f"| {r['context']} | {r['bits_per_byte']:.3f} |\n" for r in rows)
-        fh.write(f"| unigram baseline | {uni:.3f} |\n")
+    from gemini_jax.eval.record import StudyResult, make_record, write_record
+
+    result = make_record("perplexity", StudyResult(
+        name=ex.out_name, records=rows, split="heldout", seeds=[int(cfg.seed)],
+        extra={"unigram_bits_per_byte": uni, "model": desc, "engine": OmegaConf.to_container(cfg.engine)}),
+        command=job_command(), config=OmegaConf.to_container(ex, resolve=True))
+    md = (f"### bits per byte, held-out stdlib ({desc})\n\n| context | bits/byte |\n|---|---|\n"
+          + "".join(f"| {r['context']} | {r['bits_per_byte']:.3f} |\n" for r in rows)
+          + f"| unigram baseline | {uni:.3f} |\n")
+    write_record(os.path.join(ROOT, cfg.results_dir), result, md)
     return {"stats": eng.stats, **result}
 
 

@@ -62,9 +62,17 @@ def make_record(study: str, result: StudyResult, *, command: str, config: dict, 
     clash = sorted(set(result.extra) & {"study", "name", "date", *REQUIRED})
     if clash:
         raise ConfigError(f"record extra fields {clash} shadow the record's own keys; rename them.")
-    return {"study": study, "name": result.name, "date": utc_now(), "command": command, "config": config,
-            "commit": commit if commit is not None else git_commit(), "split": result.split,
-            "seeds": result.seeds, **result.extra, "records": result.records}
+    return {"study": study, "name": result.name, **provenance(command=command, config=config, split=result.split,
+                                                              seeds=result.seeds, commit=commit),
+            **result.extra, "records": result.records}
+
+
+def provenance(*, command: str, config: dict, split: str | None, seeds: list | None,
+               commit: str | None = None) -> dict:
+    """The record's fields besides study, name and records: date, command, config, commit, split,
+    seeds (for writers that lay out the rest of their JSON themselves, e.g. `write_needle`)."""
+    return {"date": utc_now(), "command": command, "config": config,
+            "commit": commit if commit is not None else git_commit(), "split": split, "seeds": seeds}
 
 
 def write_record(results_dir: str, record: dict, markdown: str) -> dict[str, str]:
