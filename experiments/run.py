@@ -26,6 +26,7 @@ import gemini_jax as gj
 from gemini_jax import tiny
 from gemini_jax.config import EngineConfig, HardwareConfig, ModelConfig, SamplingParams
 from gemini_jax.eval import studies
+from gemini_jax.eval.record import StudyResult, make_record, provenance, write_record
 from gemini_jax.hydra_schema import build, register
 
 register()
@@ -148,8 +149,6 @@ def run_needle(cfg, model, tok, desc):
                 + (", compact positions" if e.sparse.positions == "compact" else "")
                 + (f", scored at distance {e.sparse.score_distance}" if e.sparse.score_distance else "")
                 + (f", rerank {e.sparse.rerank}" if e.sparse.rerank else "") if e.sparse.enabled else "dense"))
-    from gemini_jax.eval.record import provenance
-
     out_dir = os.path.join(ROOT, cfg.results_dir, "needle")
     meta = provenance(command=job_command(), config=OmegaConf.to_container(ex, resolve=True), split=ex.haystack,
                       seeds=[int(cfg.seed)])
@@ -177,8 +176,6 @@ def run_perplexity(cfg, model, tok, desc):
     for r in rows:
         print(f"{'bits/byte @' + str(r['context']):<28}{r['bits_per_byte']:.3f}")
     print(f"{'unigram baseline':<28}{uni:.3f}")
-    from gemini_jax.eval.record import StudyResult, make_record, write_record
-
     result = make_record("perplexity", StudyResult(
         name=ex.out_name, records=rows, split="heldout", seeds=[int(cfg.seed)],
         extra={"unigram_bits_per_byte": uni, "model": desc, "engine": OmegaConf.to_container(cfg.engine)}),
@@ -319,7 +316,10 @@ def run_fullstack(cfg, model, tok, desc):
 
 def job_command() -> str:
     """The command line that reproduces this job: the script and its Hydra overrides."""
-    overrides = hydra.core.hydra_config.HydraConfig.get().overrides.task
+    try:
+        overrides = list(hydra.core.hydra_config.HydraConfig.get().overrides.task)
+    except ValueError:  # not under Hydra (a test calling a job function directly)
+        overrides = ["(called directly, not under Hydra)"]
     return " ".join(["python experiments/run.py", *overrides])
 
 
@@ -327,8 +327,6 @@ def run_study(cfg) -> dict:
     """A study from gemini_jax.eval.studies: its Config from the experiment node, its workload, and
     its record written to <results_dir>/<study>/<name>.json + .md (gemini_jax.eval.record)."""
     import dataclasses
-
-    from gemini_jax.eval.record import make_record, write_record
 
     name = cfg.experiment.name
     study = studies.load(name)
