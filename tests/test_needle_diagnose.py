@@ -23,7 +23,7 @@ def test_force_pages_keeps_the_count_and_order():
             sel[b, h, :n] = np.sort(np.concatenate([[0], rng.choice(np.arange(1, W), n - 1, replace=False)]))
     pages = {int(p) for p in rng.choice(np.arange(1, W), 2, replace=False)}
     positions = np.array([[W * 8 - 1]])
-    out = nd.force_pages(pages, 2, True, positions, sel, when="all", layers=None, sink_pages=1, block_size=8)
+    out = nd.ForcePages(pages, when="all", layers=None, sink_pages=1, block_size=8)(2, True, positions, sel)
     for b in range(B):
         for h in range(K):
             row, before = out[b, h], sel[b, h]
@@ -34,12 +34,12 @@ def test_force_pages_keeps_the_count_and_order():
             assert np.all(np.diff(got) > 0) and np.all(row[len(got):] == -1)
             assert got[0] == 0  # the sink stays
     # Not its call, not its layer, or pages not written yet: unchanged.
-    assert np.array_equal(nd.force_pages(pages, 2, False, positions, sel, when="decode", layers=None,
-                                         sink_pages=1, block_size=8), sel)
-    assert np.array_equal(nd.force_pages(pages, 2, True, positions, sel, when="all", layers=[0, 1],
-                                         sink_pages=1, block_size=8), sel)
-    assert np.array_equal(nd.force_pages({W + 5}, 2, True, positions, sel, when="all", layers=None,
-                                         sink_pages=1, block_size=8), sel)
+    assert np.array_equal(nd.ForcePages(pages, when="decode", layers=None, sink_pages=1, block_size=8)(
+        2, False, positions, sel), sel)
+    assert np.array_equal(nd.ForcePages(pages, when="all", layers=[0, 1], sink_pages=1, block_size=8)(
+        2, True, positions, sel), sel)
+    assert np.array_equal(nd.ForcePages({W + 5}, when="all", layers=None, sink_pages=1, block_size=8)(
+        2, True, positions, sel), sel)
 
 
 def test_oracle_run_selects_the_needle_everywhere(tmp_path):

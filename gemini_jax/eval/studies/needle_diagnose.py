@@ -10,7 +10,6 @@ step and all steps), recall in right vs wrong trials, and each wrong answer agai
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,30 +58,49 @@ def needle_pages(ex, block_size: int) -> set[int]:
     return {p // block_size for p in range(mark, mark + 1 + tasks.KEY_DIGITS)}
 
 
-def force_pages(pages: set, layer, decode, positions, selected, *, when, layers, sink_pages, block_size):
-    """Oracle selection edit: every (sequence, kv head) row also reads `pages` (those already
-    written), each in place of the row's earliest retrieved page (after the sink pages) or of
-    padding, so the number of pages read stays the same."""
-    if (when == "decode" and not decode) or (when == "prompt" and decode) or (layers and layer not in layers):
-        return selected
-    last = int(np.max(positions)) // block_size
-    want = [p for p in sorted(pages) if p <= last]
-    out = selected.copy()
-    for row in out.reshape(-1, out.shape[-1]):
-        have = set(row[row >= 0].tolist())
-        for p in want:
-            if p in have:
-                continue
-            free = np.flatnonzero(row < 0)
-            spare = [c for c in range(sink_pages, len(row)) if row[c] >= 0 and row[c] not in pages]
-            col = int(free[0]) if len(free) else (spare[0] if spare else None)
-            if col is None:
-                break
-            have.discard(int(row[col]))
-            row[col] = p
-            have.add(p)
-        row[:] = sorted(row, key=lambda x: (x < 0, x))
-    return out
+@dataclass(frozen=True)
+class ForcePages:
+    """Oracle selection edit, the tiers' `selection_edit(layer, decode, positions, selected)` hook:
+    every (sequence, kv head) row also reads `pages` (those already written), each in place of the
+    row's earliest retrieved page (after the sink pages) or of padding, so the number of pages read
+    stays the same. `when` is "prompt", "decode" or "all"; `layers` None edits every layer.
+    `pages` is the running trial's set, updated in place between trials."""
+
+    pages: set
+    when: str
+    layers: list | None
+    sink_pages: int
+    block_size: int
+
+    def __call__(self, layer, decode, positions, selected):  # selected: i32[B, K, k], -1 = padding
+        pages, layers = self.pages, self.layers
+        if (self.when == "decode" and not decode) or (self.when == "prompt" and decode) or (
+                layers and layer not in layers):
+            return selected
+        last = int(np.max(positions)) // self.block_size
+        want = [p for p in sorted(pages) if p <= last]
+        out = selected.copy()
+        for row in out.reshape(-1, out.shape[-1]):
+            _force_row(row, want, pages, self.sink_pages)
+        return out
+
+
+def _force_row(row, want, pages, sink_pages) -> None:
+    """Put each page of `want` into `row` (in place): into padding first, else in place of the
+    earliest retrieved page after the sink pages that is not one of `pages`; then re-sort."""
+    have = set(row[row >= 0].tolist())
+    for p in want:
+        if p in have:
+            continue
+        free = np.flatnonzero(row < 0)
+        spare = [c for c in range(sink_pages, len(row)) if row[c] >= 0 and row[c] not in pages]
+        col = int(free[0]) if len(free) else (spare[0] if spare else None)
+        if col is None:
+            break
+        have.discard(int(row[col]))
+        row[col] = p
+        have.add(p)
+    row[:] = sorted(row, key=lambda x: (x < 0, x))
 
 
 def run(cfg: Config) -> StudyResult:
@@ -102,9 +120,8 @@ def run(cfg: Config) -> StudyResult:
         log = eng.tiered.selection_log = []
         forced: set = set()  # the running trial's needle pages, for the oracle
         if cfg.oracle != "off":
-            eng.tiered.selection_edit = functools.partial(
-                force_pages, forced, when=cfg.oracle, layers=layers, sink_pages=sp.sink_pages,
-                block_size=cfg.block_size)
+            eng.tiered.selection_edit = ForcePages(forced, when=cfg.oracle, layers=layers, sink_pages=sp.sink_pages,
+                                                   block_size=cfg.block_size)
         cells = [(i, L, j, d, t) for i, L in enumerate(cfg.lengths) for j, d in enumerate(cfg.depths)
                  for t in range(cfg.trials)]
         for i, L, j, d, t in tqdm(cells, desc="needle diagnosis", unit="trial"):
