@@ -37,15 +37,14 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+import gemini_jax as gj
+from gemini_jax import tiny
+from gemini_jax.config import EngineConfig, SamplingParams
+from gemini_jax.data import corpus, tasks
+from gemini_jax.hydra_schema import build, register
+from run import load_model  # the main job's model loading and labelling (this script's directory is on sys.path)
 
-import gemini_jax as gj  # noqa: E402
-from gemini_jax import tiny  # noqa: E402
-from gemini_jax.config import EngineConfig, SamplingParams  # noqa: E402
-from gemini_jax.data import corpus, tasks  # noqa: E402
-from gemini_jax.hydra_schema import build, register  # noqa: E402
-from run import load_model  # noqa: E402  (the main job's model loading and labelling)
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 register()
 ROOT = os.path.dirname(HERE)

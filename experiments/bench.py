@@ -3,8 +3,10 @@
     python experiments/bench.py                  # full sizes (long: pause other work first)
     python experiments/bench.py --quick          # tiny sizes, a 1-2 minute smoke test
     python experiments/bench.py --rows dense_vs_hf,kv_bytes --out /tmp/bench
+    python experiments/bench.py --rows tier_layout --out /tmp/layout   # the disk tier's layouts
+    python experiments/bench.py --list-rows
 
-Writes `<out>/BENCH.md` and `<out>/bench.json` (default out: experiments/results/), with a
+Writes `<out>/BENCH.md` and `<out>/bench.json` (default out: experiments/results/bench/), with a
 description of the machine and its measured memory bandwidth.
 
 Rules every row follows (DESIGN.md §8): the headline is a RATIO of variants measured side by side
@@ -27,12 +29,12 @@ import sys
 import time
 import traceback
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+# benchlib sits beside this script, whose directory Python puts on sys.path.
+from benchlib.machine import describe_machine, measure_bandwidth
+from benchlib.registry import ROWS, Context
+import benchlib.rows  # noqa: F401  (registers the rows)
 
-from benchlib.machine import describe_machine, measure_bandwidth  # noqa: E402
-from benchlib.registry import ROWS, Context  # noqa: E402
-import benchlib.rows  # noqa: E402,F401  (registers the rows)
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 NOTE = ("Figures below come from whatever machine ran this file — see **Machine**. On the shared "
         "2-core CPU used during development a training job and other processes compete for the same "
@@ -46,7 +48,8 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="tiny sizes (smoke test, ~1-2 minutes)")
     p.add_argument("--rows", default=",".join(ROWS),
                    help=f"comma-separated rows to run, in report order (default: all = {','.join(ROWS)})")
-    p.add_argument("--out", default=os.path.join(HERE, "results"), help="output directory")
+    p.add_argument("--out", default=os.path.join(HERE, "results", "bench"), help="output directory")
+    p.add_argument("--list-rows", action="store_true", help="print the row names, one per line, and exit")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bw-mib", type=int, default=None,
                    help="array size for the bandwidth probe (default 128 quick / 512 full)")
@@ -79,6 +82,9 @@ def machine_markdown(m: dict, bw: dict) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.list_rows:
+        print("\n".join(ROWS))
+        return 0
     os.makedirs(args.out, exist_ok=True)
     started = datetime.datetime.now(datetime.timezone.utc)
     t_start = time.perf_counter()

@@ -76,10 +76,9 @@ def main(argv=None) -> int:
     dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
     rows = a.rows
     if rows is None:  # every row the new side knows (bench.py's own default)
-        sys.path.insert(0, HERE)
-        from benchlib.registry import ROWS  # noqa: PLC0415 (the row registry of this tree)
-        import benchlib.rows  # noqa: F401,PLC0415
-        rows = ",".join(ROWS)
+        rows = subprocess.run([sys.executable, os.path.join(HERE, "bench.py"), "--list-rows"], check=True,
+                              capture_output=True, text=True).stdout.split()
+        rows = ",".join(rows)
     work = tempfile.mkdtemp(prefix="bench_ab_")
     base_tree = os.path.join(work, "base")
     git("worktree", "add", "--detach", base_tree, base)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 
 import hydra
@@ -20,16 +19,14 @@ import jax
 from flax import nnx
 from omegaconf import DictConfig, OmegaConf
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_tiny import ROOT, make_optimizer, restore_latest  # noqa: E402
-
-import gemini_jax as gj  # noqa: E402
-from gemini_jax import tiny  # noqa: E402
-from gemini_jax.config import ModelConfig  # noqa: E402
-from gemini_jax.data import corpus  # noqa: E402
-from gemini_jax.eval import needle, perplexity, unigram_bits_per_byte  # noqa: E402
-from gemini_jax.hydra_schema import build  # noqa: E402
-from gemini_jax.weights import save_safetensors  # noqa: E402
+import gemini_jax as gj
+from gemini_jax import tiny
+from gemini_jax.config import ModelConfig
+from gemini_jax.data import corpus
+from gemini_jax.eval import needle, perplexity, unigram_bits_per_byte
+from gemini_jax.hydra_schema import build
+from gemini_jax.weights import save_safetensors
+from train_tiny import ROOT, make_optimizer, restore_latest  # this script's directory is on sys.path
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="train_tiny")

@@ -235,9 +235,7 @@ step kernel_tests 120 "$PY" -m pytest -q -p no:cacheprovider --junitxml="$OUT/ke
 BENCH_ROWS=()
 if ! "$PY" -c "import torch, transformers" >/dev/null 2>&1 && [[ "$BENCH_ARGS" != *--rows* ]]; then
   # dense_vs_hf needs torch + transformers (the hf extra, multi-GB): skip it rather than install.
-  BENCH_ROWS=(--rows "$("$PY" -c 'import sys; sys.path.insert(0, "experiments")
-from benchlib.registry import ROWS; import benchlib.rows
-print(",".join(r for r in ROWS if r != "dense_vs_hf"))')")
+  BENCH_ROWS=(--rows "$("$PY" experiments/bench.py --list-rows | grep -vx dense_vs_hf | paste -sd, -)")
 fi
 # shellcheck disable=SC2086  # BENCH_ARGS is a list of words on purpose
 step bench 150 "$PY" experiments/bench.py $BENCH_ARGS ${BENCH_ROWS[@]+"${BENCH_ROWS[@]}"} --out "$OUT/bench"

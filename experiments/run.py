@@ -3,9 +3,12 @@
     python experiments/run.py                                  # shipped tiny model, generate
     python experiments/run.py weights=/path/to/hf_dir model=llama3_1_8b sampling.max_new_tokens=32
     python experiments/run.py experiment=generate experiment.prompt='import os'
+    python experiments/run.py experiment=needle_keys experiment.lengths=[1024]   # a study
 
 Every job logs its config and counters to wandb (offline by default; WANDB_MODE=online works)
-and writes `result.json` into its Hydra output directory.
+and writes `result.json` into its Hydra output directory. A study (conf/experiment/<study>.yaml,
+workload in gemini_jax.eval.studies) also writes its record, `<results_dir>/<study>/<name>.json`
+and `.md` (gemini_jax.eval.record).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from omegaconf import DictConfig, OmegaConf
 import gemini_jax as gj
 from gemini_jax import tiny
 from gemini_jax.config import EngineConfig, HardwareConfig, ModelConfig, SamplingParams
+from gemini_jax.eval import studies
+from gemini_jax.eval.record import StudyResult, make_record, provenance, write_record
 from gemini_jax.hydra_schema import build, register
 
 register()
@@ -144,8 +149,11 @@ def run_needle(cfg, model, tok, desc):
                 + (", compact positions" if e.sparse.positions == "compact" else "")
                 + (f", scored at distance {e.sparse.score_distance}" if e.sparse.score_distance else "")
                 + (f", rerank {e.sparse.rerank}" if e.sparse.rerank else "") if e.sparse.enabled else "dense"))
-    out_dir = os.path.join(ROOT, cfg.results_dir)
-    paths = write_needle(res, out_dir, ex.out_name, label, {"engine": OmegaConf.to_container(cfg.engine),
+    out_dir = os.path.join(ROOT, cfg.results_dir, "needle")
+    meta = provenance(command=job_command(), config=OmegaConf.to_container(ex, resolve=True), split=ex.haystack,
+                      seeds=[int(cfg.seed)])
+    paths = write_needle(res, out_dir, ex.out_name, label, {"study": "needle", "name": ex.out_name, **meta,
+                                                            "engine": OmegaConf.to_container(cfg.engine),
                                                             "model": desc})
     print(f"model: {desc}")
     for L, accs in zip(res.lengths, res.accuracy):
@@ -168,16 +176,14 @@ def run_perplexity(cfg, model, tok, desc):
     for r in rows:
         print(f"{'bits/byte @' + str(r['context']):<28}{r['bits_per_byte']:.3f}")
     print(f"{'unigram baseline':<28}{uni:.3f}")
-    out_dir = os.path.join(ROOT, cfg.results_dir)
-    os.makedirs(out_dir, exist_ok=True)
-    result = {"rows": rows, "unigram_bits_per_byte": uni, "model": desc,
-              "engine": OmegaConf.to_container(cfg.engine)}
-    with open(os.path.join(out_dir, f"{ex.out_name}.json"), "w") as fh:
-        json.dump(result, fh, indent=1)
-    with open(os.path.join(out_dir, f"{ex.out_name}.md"), "w") as fh:
-        fh.write(f"### bits per byte, held-out stdlib ({desc})\n\n| context | bits/byte |\n|---|---|\n")
-        fh.writelines(f"| {r['context']} | {r['bits_per_byte']:.3f} |\n" for r in rows)
-        fh.write(f"| unigram baseline | {uni:.3f} |\n")
+    result = make_record("perplexity", StudyResult(
+        name=ex.out_name, records=rows, split="heldout", seeds=[int(cfg.seed)],
+        extra={"unigram_bits_per_byte": uni, "model": desc, "engine": OmegaConf.to_container(cfg.engine)}),
+        command=job_command(), config=OmegaConf.to_container(ex, resolve=True))
+    md = (f"### bits per byte, held-out stdlib ({desc})\n\n| context | bits/byte |\n|---|---|\n"
+          + "".join(f"| {r['context']} | {r['bits_per_byte']:.3f} |\n" for r in rows)
+          + f"| unigram baseline | {uni:.3f} |\n")
+    write_record(os.path.join(ROOT, cfg.results_dir), result, md)
     return {"stats": dict(eng.stats), **result}
 
 
@@ -308,6 +314,35 @@ def run_fullstack(cfg, model, tok, desc):
             "after_resume": again, "kv_read_fraction_of_dense": read / dense_bytes, "model": desc}
 
 
+def job_command() -> str:
+    """The command line that reproduces this job: the script and its Hydra overrides."""
+    try:
+        overrides = list(hydra.core.hydra_config.HydraConfig.get().overrides.task)
+    except ValueError:  # not under Hydra (a test calling a job function directly)
+        overrides = ["(called directly, not under Hydra)"]
+    return " ".join(["python experiments/run.py", *overrides])
+
+
+def run_study(cfg) -> dict:
+    """A study from gemini_jax.eval.studies: its Config from the experiment node, its workload, and
+    its record written to <results_dir>/<study>/<name>.json + .md (gemini_jax.eval.record)."""
+    import dataclasses
+
+    name = cfg.experiment.name
+    study = studies.load(name)
+    data = OmegaConf.to_container(cfg.experiment, resolve=True)
+    data.pop("name")
+    scfg = build(study.Config, data)
+    res = study.run(scfg)
+    config = json.loads(json.dumps(dataclasses.asdict(scfg)))  # tuples as lists, as the JSON will hold them
+    record = make_record(name, res, command=job_command(), config=config)
+    md = study.markdown(record)
+    paths = write_record(os.path.join(ROOT, cfg.results_dir), record, md)
+    print(md, end="")
+    print(f"wrote {paths['json']} and .md")
+    return {"stats": {}, "record": paths}
+
+
 EXPERIMENTS = {"generate": run_generate, "needle": run_needle, "perplexity": run_perplexity,
                "fullstack": run_fullstack}
 
@@ -325,14 +360,14 @@ def main(cfg: DictConfig) -> None:
               f"{jax.process_count()} process(es), {jax.device_count()} device(s)")
     hw = build(HardwareConfig, cfg.hardware)
     name = cfg.experiment.name
-    if name not in EXPERIMENTS:
-        raise gj.errors.ConfigError(f"experiment.name={name!r} must be one of {sorted(EXPERIMENTS)}.")
-    model, tok, desc = load_model(cfg)
+    if name not in EXPERIMENTS and name not in studies.NAMES:
+        raise gj.errors.ConfigError(f"experiment.name={name!r} must be one of {sorted([*EXPERIMENTS, *studies.NAMES])}.")
+    loaded = load_model(cfg) if name in EXPERIMENTS else None  # a study loads its own model
     wandb_dir = os.path.join(ROOT, cfg.wandb.dir)
     os.makedirs(wandb_dir, exist_ok=True)
     run = wandb.init(project=cfg.wandb.project, dir=wandb_dir, mode=cfg.wandb.mode, job_type=name,
                      config=OmegaConf.to_container(cfg, resolve=True))
-    result = EXPERIMENTS[name](cfg, model, tok, desc)
+    result = EXPERIMENTS[name](cfg, *loaded) if loaded else run_study(cfg)
     result["hardware"] = hw.name
     run.log({k: v for k, v in result["stats"].items()})
     run.finish()

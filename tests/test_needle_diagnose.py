@@ -1,23 +1,19 @@
-"""experiments/needle_diagnose.py: the oracle's selection edit and a small end-to-end run."""
+"""Study needle_diagnose (gemini_jax.eval.studies.needle_diagnose): the oracle's selection edit and a
+small end-to-end run through `experiments/run.py experiment=needle_diagnose`."""
 
-import importlib.util
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _tool():
-    spec = importlib.util.spec_from_file_location("needle_diagnose", os.path.join(ROOT, "experiments", "needle_diagnose.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from gemini_jax.eval.studies import needle_diagnose
+from test_ablate import ROOT, sandbox_env
 
 
 def test_force_pages_keeps_the_count_and_order():
-    nd = _tool()
+    nd = needle_diagnose
     rng = np.random.default_rng()
     B, K, k, W = 2, 3, 9, 60
     sel = np.full((B, K, k), -1, np.int32)
@@ -27,7 +23,7 @@ def test_force_pages_keeps_the_count_and_order():
             sel[b, h, :n] = np.sort(np.concatenate([[0], rng.choice(np.arange(1, W), n - 1, replace=False)]))
     pages = {int(p) for p in rng.choice(np.arange(1, W), 2, replace=False)}
     positions = np.array([[W * 8 - 1]])
-    out = nd.force_pages(pages, 2, True, positions, sel, when="all", layers=None, sink_pages=1, block_size=8)
+    out = nd.ForcePages(pages, when="all", layers=None, sink_pages=1, block_size=8)(2, True, positions, sel)
     for b in range(B):
         for h in range(K):
             row, before = out[b, h], sel[b, h]
@@ -38,19 +34,27 @@ def test_force_pages_keeps_the_count_and_order():
             assert np.all(np.diff(got) > 0) and np.all(row[len(got):] == -1)
             assert got[0] == 0  # the sink stays
     # Not its call, not its layer, or pages not written yet: unchanged.
-    assert np.array_equal(nd.force_pages(pages, 2, False, positions, sel, when="decode", layers=None,
-                                         sink_pages=1, block_size=8), sel)
-    assert np.array_equal(nd.force_pages(pages, 2, True, positions, sel, when="all", layers=[0, 1],
-                                         sink_pages=1, block_size=8), sel)
-    assert np.array_equal(nd.force_pages({W + 5}, 2, True, positions, sel, when="all", layers=None,
-                                         sink_pages=1, block_size=8), sel)
+    assert np.array_equal(nd.ForcePages(pages, when="decode", layers=None, sink_pages=1, block_size=8)(
+        2, False, positions, sel), sel)
+    assert np.array_equal(nd.ForcePages(pages, when="all", layers=[0, 1], sink_pages=1, block_size=8)(
+        2, True, positions, sel), sel)
+    assert np.array_equal(nd.ForcePages({W + 5}, when="all", layers=None, sink_pages=1, block_size=8)(
+        2, True, positions, sel), sel)
 
 
 def test_oracle_run_selects_the_needle_everywhere(tmp_path):
-    nd = _tool()
-    assert nd.main(["--lengths", "1024", "--depths", "0.3", "--trials", "1", "--budget", "256", "--oracle", "all",
-                    "--out", str(tmp_path), "--name", "t"]) == 0
-    r = json.loads((tmp_path / "needle_diagnosis_t.json").read_text())
-    hit = np.asarray(r["trials"][0]["hit"])  # [answer steps, layers, kv heads]
+    cmd = [sys.executable, os.path.join(ROOT, "experiments", "run.py"), "experiment=needle_diagnose",
+           "experiment.lengths=[1024]", "experiment.depths=[0.3]", "experiment.trials=1", "experiment.budget=256",
+           "experiment.oracle=all", "experiment.out_name=needle_diagnosis_t", f"results_dir={tmp_path}",
+           f"hydra.run.dir={tmp_path / 'run'}", f"wandb.dir={tmp_path / 'wandb'}"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=sandbox_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = tmp_path / "needle_diagnose"
+    r = json.loads((out / "needle_diagnosis_t.json").read_text())
+    hit = np.asarray(r["records"][0]["hit"])  # [answer steps, layers, kv heads]
     assert hit.shape[0] >= 2 and hit.all()
-    assert "Oracle" in (tmp_path / "needle_diagnosis_t.md").read_text()
+    assert "Oracle" in (out / "needle_diagnosis_t.md").read_text()
+    # The one record format: what reproduces the run, and where its trials came from.
+    assert r["command"].startswith("python experiments/run.py experiment=needle_diagnose")
+    assert r["config"]["oracle"] == "all" and r["split"] == "heldout" and r["seeds"] == [0]
+    assert r["commit"] is None or len(r["commit"].split("+")[0]) == 40

@@ -7,7 +7,7 @@ random K/V instead of running prefill:
 
 * contiguous: `_ContiguousRunner` (the runner `Engine.generate` uses) with positions
   [0, context) of its [max_seq_len] buffer filled;
-* paged: `_PagedRunner`, with the sequence registered in the engine's `KVCacheManager` (pages
+* paged: `PagedRunner`, with the sequence registered in the engine's `KVCacheManager` (pages
   reserved and tokens committed, as prefill would leave them) and those pages of the pool filled.
   With a `SparseConfig` (enabled), the page digests of the filled pages are then computed from
   the filled keys by the engine's own digest maintenance, `digests.update`, called per layer with

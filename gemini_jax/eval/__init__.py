@@ -1,4 +1,8 @@
-"""Evaluation on real text: needle grids and bits per byte, with any engine configuration."""
+"""Evaluation on real text: needle grids and bits per byte, with any engine configuration.
+
+Submodules not re-exported here: `studies` (the workloads `experiments/run.py experiment=<study>`
+runs), `record` (the one result record they write) and `compare` (the sparse-vs-dense report).
+"""
 
 from gemini_jax.eval.needle import NeedleResult, is_correct, needle
 from gemini_jax.eval.perplexity import perplexity, unigram_bits_per_byte

@@ -138,7 +138,7 @@ class Decoder(nnx.Module):
         return layers.rms_norm(x, w, self.cfg.norm_eps, self.cfg.norm_kind == "rms_plus_one")
 
     # ---- one layer in two halves -------------------------------------------------------------
-    # The scan above runs them back to back; the tiered KV path (gemini_jax.tiers.runner) runs
+    # The scan above runs them back to back; the tiered KV path (gemini_jax.runtime.tiered) runs
     # them from the host, layer by layer, so it can make the selected pages resident in between.
     def embed_tokens(self, tokens):
         h = self.embed[...][tokens]

@@ -1,48 +1,46 @@
 """Sparse vs dense on the shipped model: needle accuracy and bits per byte per context length,
 from the committed result files of `experiments/run.py experiment=needle|perplexity`.
 
-    python experiments/compare_sparse.py          # writes experiments/results/sparse_vs_dense.md
+    python experiments/report.py --sparse-vs-dense   # writes experiments/results/reports/sparse_vs_dense.md
 
-Every figure is read from a JSON in experiments/results/ (each file records its own command and
-engine config); nothing is recomputed here. A missing file leaves its column out.
+Every figure is read from a JSON under the results directory (`needle/`, `perplexity/`; each file
+records its own command and engine config); nothing is recomputed here. A missing file leaves its
+column out.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-RESULTS = os.path.join(HERE, "results")
-
-# (column, needle file(s), bpb file): the dense reference first.
+# (column, needle file(s), bpb file), paths under the results directory: the dense reference first.
 VARIANTS = [
-    ("dense", ["needle_dense", "needle_dense_32k"], "bpb_dense"),
-    ("sparse 1K", ["needle_sparse_1k"], "bpb_sparse_1k"),
-    ("sparse 2K", ["needle_sparse_2k"], "bpb_sparse_2k"),
-    ("compact 1K", ["needle_compact_1k"], None),
-    ("compact 2K", ["needle_compact_2k_8k_100_alone", "needle_compact_2k_32k_50_alone", "needle_compact_2k"],
-     "bpb_compact_2k"),
-    ("compact 1.5K rerank", ["needle_compact_1536_8k_100_rerank2", "needle_compact_1536_32k_50_rerank2"], None),
+    ("dense", ["needle/needle_dense", "needle/needle_dense_32k"], "perplexity/bpb_dense"),
+    ("sparse 1K", ["needle/needle_sparse_1k"], "perplexity/bpb_sparse_1k"),
+    ("sparse 2K", ["needle/needle_sparse_2k"], "perplexity/bpb_sparse_2k"),
+    ("compact 1K", ["needle/needle_compact_1k"], None),
+    ("compact 2K", ["needle/needle_compact_2k_8k_100_alone", "needle/needle_compact_2k_32k_50_alone",
+                    "needle/needle_compact_2k"], "perplexity/bpb_compact_2k"),
+    ("compact 1.5K rerank", ["needle/needle_compact_1536_8k_100_rerank2", "needle/needle_compact_1536_32k_50_rerank2"],
+     None),
 ]
 GOAL_POINTS = 2.0  # needle: sparse within 2 points of dense
 GOAL_BPB = 0.02  # bits per byte: sparse within 2 % of dense
 
 
-def _load(name):
-    path = os.path.join(RESULTS, name + ".json")
+def _load(results_dir: str, name: str):
+    path = os.path.join(results_dir, name + ".json")
     if not os.path.exists(path):
         return None
     with open(path) as fh:
         return json.load(fh)
 
 
-def needle_by_length(names) -> dict[int, tuple[float, int]]:
+def needle_by_length(results_dir: str, names) -> dict[int, tuple[float, int]]:
     """length -> (accuracy, trials) from the first file that has the length."""
     out = {}
     for name in names:
-        d = _load(name)
+        d = _load(results_dir, name)
         if d is None:
             continue
         for L, accs in zip(d["lengths"], d["accuracy"]):
@@ -51,33 +49,35 @@ def needle_by_length(names) -> dict[int, tuple[float, int]]:
     return out
 
 
-def bpb_by_length(name) -> dict[int, float]:
-    d = _load(name) if name else None
-    return {} if d is None else {r["context"]: r["bits_per_byte"] for r in d["rows"]}
+def bpb_by_length(results_dir: str, name) -> dict[int, float]:
+    d = _load(results_dir, name) if name else None
+    # "records" in the common record format, "rows" in files written before it
+    return {} if d is None else {r["context"]: r["bits_per_byte"] for r in d.get("records", d.get("rows"))}
 
 
 # Paired runs: the same trials (length, depth, key, haystack) for dense and each sparse budget.
-PAIRED = [("sparse 1K", "needle_paired_4k_sparse_1k"), ("sparse 2K", "needle_paired_4k_sparse_2k")]
-PAIRED_DENSE = "needle_paired_4k_dense"
+PAIRED = [("sparse 1K", "needle/needle_paired_4k_sparse_1k"), ("sparse 2K", "needle/needle_paired_4k_sparse_2k")]
+PAIRED_DENSE = "needle/needle_paired_4k_dense"
 
 
-def paired_rows() -> list[str]:
+def paired_rows(results_dir: str) -> list[str]:
     """Markdown rows: per sparse budget, accuracy of both, the discordant trials and the paired
     difference with a 95 % interval (normal approximation of the paired difference)."""
-    dense = _load(PAIRED_DENSE)
+    dense = _load(results_dir, PAIRED_DENSE)
     if dense is None:
         return []
     ref = {(r["length"], r["depth"], i): r for i, r in enumerate(dense["records"])}
     rows = []
     for col, name in PAIRED:
-        d = _load(name)
+        d = _load(results_dir, name)
         if d is None:
             continue
         pairs = []
         for i, r in enumerate(d["records"]):
             q = ref.get((r["length"], r["depth"], i))
             if q is None or q["key"] != r["key"]:
-                raise SystemExit(f"{name} record {i} is not paired with {PAIRED_DENSE} (different trial or key).")
+                raise ValueError(f"{name} record {i} is not paired with {PAIRED_DENSE} (different trial or key): "
+                                 f"rerun both with the same experiment.lengths / depths / trials and seed.")
             pairs.append((q["ok"], r["ok"]))
         n = len(pairs)
         b = sum(1 for x, y in pairs if y and not x)  # sparse right, dense wrong
@@ -94,9 +94,11 @@ def paired_rows() -> list[str]:
     return rows
 
 
-def main() -> int:
-    needles = {col: needle_by_length(files) for col, files, _ in VARIANTS}
-    bpbs = {col: bpb_by_length(f) for col, _, f in VARIANTS}
+def sparse_vs_dense(results_dir: str) -> str:
+    """The markdown report from the result files under `results_dir` (see VARIANTS / PAIRED).
+    Raises ValueError when a paired file's trials do not match the dense file's."""
+    needles = {col: needle_by_length(results_dir, files) for col, files, _ in VARIANTS}
+    bpbs = {col: bpb_by_length(results_dir, f) for col, _, f in VARIANTS}
     cols = [c for c, _, _ in VARIANTS if needles[c] or bpbs[c]]
     lengths = sorted({L for c in cols for L in list(needles[c]) + list(bpbs[c])})
     dense_n, dense_b = needles["dense"], bpbs["dense"]
@@ -122,7 +124,7 @@ def main() -> int:
         return cell
 
     lines = ["# Sparse vs dense attention, shipped tiny model, held-out stdlib text", "",
-             "Built by `python experiments/compare_sparse.py` from the result files named in each column's source "
+             "Built by `python experiments/report.py --sparse-vs-dense` from the result files named in each column's source "
              "(each records its command and engine). *sparse N* = Quest-style minmax selection with an N-token budget "
              "and true positions; *compact N* = the same with compact positions (the length-extrapolation option); "
              "*compact 1.5K rerank* = the `sparse=extrapolate_rerank` preset (1536-token budget, pages scored at "
@@ -137,7 +139,7 @@ def main() -> int:
     bcols = [c for c in cols if bpbs[c]]
     lines += ["", "## Bits per byte", "", "| length | " + " | ".join(bcols) + " |", "|---" * (len(bcols) + 1) + "|"]
     lines += [f"| {L} | " + " | ".join(b_cell(c, L) for c in bcols) + " |" for L in lengths if any(L in bpbs[c] for c in bcols)]
-    paired = paired_rows()
+    paired = paired_rows(results_dir)
     if paired:
         lines += ["", "## Paired needle trials at 4K", "",
                   "The same 100 trials (10 depths × 10 keys) run through the dense and each sparse engine, so the "
@@ -148,16 +150,7 @@ def main() -> int:
                   "| length | variant | trials | dense | sparse | discordant (sparse / dense) | difference, points "
                   "[95 %] | within ±2 | not worse by > 2 |",
                   "|---|---|---|---|---|---|---|---|---|"] + paired
-    src = [f"`{f}`" for _, fs, b in VARIANTS for f in fs + ([b] if b else []) if _load(f) is not None]
-    src += [f"`{f}`" for f in [PAIRED_DENSE] + [n for _, n in PAIRED] if _load(f) is not None]
-    lines += ["", "Sources (experiments/results/*.json): " + ", ".join(src) + "."]
-    path = os.path.join(RESULTS, "sparse_vs_dense.md")
-    with open(path, "w") as fh:
-        fh.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    print(f"wrote {path}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    src = [f"`{f}`" for _, fs, b in VARIANTS for f in fs + ([b] if b else []) if _load(results_dir, f) is not None]
+    src += [f"`{f}`" for f in [PAIRED_DENSE] + [n for _, n in PAIRED] if _load(results_dir, f) is not None]
+    lines += ["", "Sources (experiments/results/<study>/*.json): " + ", ".join(src) + "."]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,91 @@
+"""The one result record every study writes: `<results_dir>/<study>/<name>.json` and `.md`.
+
+The JSON holds what it takes to reproduce and to trust a figure:
+
+    {"study", "name", "date", "command", "config", "commit", "split", "seeds", "records", ...}
+
+`commit` is `git rev-parse HEAD` of the checkout the code was imported from, with "+dirty" when
+its tree has uncommitted changes (None outside a git checkout); `split` is the data split the
+trials were drawn from (None when the study draws no seeded trials); `seeds` the base seed(s) the
+trial seeds derive from (None likewise); `records` the study's rows, flat dicts where possible.
+Study-specific fields (e.g. a model's layer count) sit beside them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+from dataclasses import dataclass, field
+
+from gemini_jax.errors import ConfigError
+
+REQUIRED = ("command", "config", "commit", "split", "seeds", "records")
+
+
+def git_commit(path: str | None = None) -> str | None:
+    """`git rev-parse HEAD` of the checkout holding `path` (default: this package), "+dirty" appended
+    when `git status --porcelain` lists changes; None when git or the checkout is not there."""
+    where = path or os.path.dirname(os.path.abspath(__file__))
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True,
+                              check=True, timeout=30).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=where,
+                               capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("+dirty" if dirty else "")
+
+
+def utc_now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StudyResult:
+    """What a study's workload returns: the file stem, its rows, and how its trials were drawn."""
+
+    name: str                 # file stem under <results_dir>/<study>/
+    records: list             # the study's rows
+    split: str | None         # data split the seeded trials came from; None: no seeded trials
+    seeds: list | None        # base seed(s) the trial seeds derive from; None likewise
+    extra: dict = field(default_factory=dict)  # study-specific fields beside the records
+
+
+def make_record(study: str, result: StudyResult, *, command: str, config: dict, commit: str | None = None) -> dict:
+    """The record for `result`: the fields above, `result.extra` beside them. `commit` defaults to
+    `git_commit()`. Raises ConfigError when a name is not a plain file name or `extra` shadows a key."""
+    for label, value in (("study", study), ("name", result.name)):
+        if not value or os.sep in value or value.startswith("."):
+            raise ConfigError(f"record {label}={value!r} must be a plain file name (no '{os.sep}', not hidden).")
+    clash = sorted(set(result.extra) & {"study", "name", "date", *REQUIRED})
+    if clash:
+        raise ConfigError(f"record extra fields {clash} shadow the record's own keys; rename them.")
+    return {"study": study, "name": result.name, **provenance(command=command, config=config, split=result.split,
+                                                              seeds=result.seeds, commit=commit),
+            **result.extra, "records": result.records}
+
+
+def provenance(*, command: str, config: dict, split: str | None, seeds: list | None,
+               commit: str | None = None) -> dict:
+    """The record's fields besides study, name and records: date, command, config, commit, split,
+    seeds (for writers that lay out the rest of their JSON themselves, e.g. `write_needle`)."""
+    return {"date": utc_now(), "command": command, "config": config,
+            "commit": commit if commit is not None else git_commit(), "split": split, "seeds": seeds}
+
+
+def write_record(results_dir: str, record: dict, markdown: str) -> dict[str, str]:
+    """Write `record` to `<results_dir>/<study>/<name>.json` and `markdown` beside it as `.md`;
+    returns {"json": path, "md": path}. Raises ConfigError when a required key is missing."""
+    missing = [k for k in ("study", "name", *REQUIRED) if k not in record]
+    if missing:
+        raise ConfigError(f"result record lacks {missing}; build it with make_record().")
+    out = os.path.join(results_dir, record["study"])
+    os.makedirs(out, exist_ok=True)
+    paths = {"json": os.path.join(out, f"{record['name']}.json"), "md": os.path.join(out, f"{record['name']}.md")}
+    with open(paths["json"], "w") as fh:
+        json.dump(record, fh, indent=1, default=float)
+    with open(paths["md"], "w") as fh:
+        fh.write(markdown if markdown.endswith("\n") else markdown + "\n")
+    return paths
