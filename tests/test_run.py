@@ -20,8 +20,13 @@ def test_fullstack_job_prints_the_table(tmp_path):
     out = proc.stdout
     assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
     for row in ("answer", "correct", "KV + digest bytes read / token", "device-tier share of KV", "prefetch hit rate",
-                "after resume + instruction", "resume s vs prefill s", "PROJECTED attention step on a100_80g"):
+                "after resume + instruction", "resume s vs prefill s", "PROJECTED attention step on a100_80g",
+                "decode tokens/s (compiled)"):
         assert row in out, row
+    # The job's story, not library logs: no absl / Orbax INFO lines, no wandb banner.
+    noise = [line for line in out.splitlines() + proc.stderr.splitlines()
+             if "[absl][INFO]" in line or line.startswith("wandb:")]
+    assert not noise, noise[:5]
     res = json.loads((tmp_path / "run" / "result.json").read_text())
     assert res["length"] == 2048 and res["stats"]["decode_steps"] > 0
     assert res["tier"]["device_slots_per_layer"] < 2048 // 16  # pages really live below the device
