@@ -423,6 +423,8 @@ class EngineConfig:
     def __post_init__(self):
         for name, cls in (("cache", CacheConfig), ("sparse", SparseConfig), ("tier", TierConfig), ("mesh", MeshConfig)):
             _nested(self, name, cls)
+        if self.mesh is None:  # None: one device
+            object.__setattr__(self, "mesh", MeshConfig())
         _require(isinstance(self.max_seq_len, int) and self.max_seq_len > 0,
                  f"max_seq_len={self.max_seq_len!r} must be a positive integer.")
         _require(isinstance(self.max_batch, int) and self.max_batch > 0,
