@@ -3,3 +3,30 @@
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest  # noqa: E402
+
+# Each test module's kind (`pytest -m unit`, `-m integration`, `-m e2e`):
+#   unit        one piece on its own (a config, the allocator, a store, a kernel vs its reference)
+#   integration pieces together through the Engine (exactness invariants, tiers, sessions, meshes)
+#   e2e         the entry points a user runs (experiments/*.py, Hydra sweeps, notebooks)
+# A new test module must be listed here: collection fails otherwise, so no test goes unclassified.
+KINDS = {
+    "unit": ("test_architecture", "test_config", "test_data", "test_paged_cache", "test_paged_decode_kernel",
+             "test_sampling", "test_sparse_decode_kernel", "test_tiers_config", "test_tiers_cost",
+             "test_tiers_emulate", "test_tiers_prefetch", "test_tiers_residency", "test_tiers_stores"),
+    "integration": ("test_engine", "test_eval", "test_mesh", "test_session", "test_sparse", "test_tiers_engine",
+                    "test_tiers_sharded", "test_tiny", "test_weights"),
+    "e2e": ("test_ablate", "test_bench", "test_needle_diagnose", "test_notebooks", "test_report", "test_run",
+            "test_studies"),
+}
+_KIND_OF = {module: kind for kind, modules in KINDS.items() for module in modules}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1]
+        if module not in _KIND_OF:
+            raise pytest.UsageError(f"tests/{module}.py has no kind: add it to KINDS in tests/conftest.py "
+                                    f"(unit, integration or e2e).")
+        item.add_marker(getattr(pytest.mark, _KIND_OF[module]))
