@@ -63,7 +63,7 @@ def main(cfg: DictConfig) -> None:
         "model_config": json.load(open(os.path.join(out_dir, "config.json"))),
         "num_params": int(sum(x.size for x in jax.tree.leaves(params))),
         "train_config": OmegaConf.to_container(cfg, resolve=True),
-        "corpus": corpus.manifest(),
+        "corpus": corpus.manifest(),  # the per-file hashes go to corpus_manifest.json beside it
         "eval": {"needle_exact_match": needle_acc, "heldout_bits_per_byte": bpb,
                  "unigram_bits_per_byte": uni, "engine": "paged, xla, greedy",
                  "eval_seconds": time.time() - t0},
@@ -71,6 +71,8 @@ def main(cfg: DictConfig) -> None:
     }
     with open(os.path.join(out_dir, "card.json"), "w") as fh:
         json.dump(info, fh, indent=1)
+    with open(os.path.join(out_dir, "corpus_manifest.json"), "w") as fh:
+        json.dump(corpus.manifest(per_file=True), fh, indent=0, sort_keys=True)
     print(f"exported step {step} to {out_dir}")
 
 

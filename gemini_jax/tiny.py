@@ -1,16 +1,19 @@
 """The small byte-level model shipped inside the package: `gj.load_tiny()`.
 
 Its files live in `gemini_jax/assets/tiny/`: `model.safetensors` + `config.json` (our native
-names, see gemini_jax.weights) and `card.json` (training config, corpus hashes, eval numbers,
-and the sha256 of the weights file, checked on every load).
+names, see gemini_jax.weights), `card.json` (training config, corpus hashes, eval numbers,
+and the sha256 of the weights file, checked on every load) and `corpus_manifest.json` (the
+content hash of every file of the corpus it was trained and evaluated on).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 
+from gemini_jax.data import corpus
 from gemini_jax.errors import CheckpointError
 
 ASSET_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "tiny")
@@ -36,6 +39,19 @@ def card(path: str = ASSET_DIR) -> dict:
             return json.load(fh)
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{file!r} is not valid JSON: {e}") from None
+
+
+@functools.lru_cache(maxsize=None)
+def corpus_check(path: str = ASSET_DIR) -> corpus.CorpusCheck:
+    """Is this machine's standard library the corpus the shipped model was trained and evaluated
+    on? (Another Python's sources make every model figure a different experiment.)"""
+    file = os.path.join(path, "corpus_manifest.json")
+    try:
+        with open(file) as fh:
+            expected = json.load(fh)
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{file!r} cannot be read ({e}); re-export with experiments/export_tiny.py.") from None
+    return corpus.check(expected)
 
 
 def available(path: str = ASSET_DIR) -> bool:

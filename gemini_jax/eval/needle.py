@@ -13,7 +13,8 @@ import numpy as np
 from tqdm import tqdm
 
 from gemini_jax.config import SamplingParams
-from gemini_jax.data import corpus, tasks
+from gemini_jax.data import tasks
+from gemini_jax.eval.heldout import heldout_text
 from gemini_jax.tokenizer import ByteTokenizer
 
 
@@ -48,7 +49,7 @@ def needle(engine, lengths, depths, *, trials: int = 5, haystack: np.ndarray | N
     by (seed, length index, depth index, trial), so a cell's prompts are the same for every engine.
     """
     if haystack is None:
-        _, haystack = corpus.load_split("heldout")
+        haystack = heldout_text()
     tok = ByteTokenizer()
     params = SamplingParams(max_new_tokens=tasks.KEY_DIGITS + 1, temperature=0.0, stop_at_eos=False)
     acc = np.zeros((len(lengths), len(depths)))

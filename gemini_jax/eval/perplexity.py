@@ -11,6 +11,7 @@ import numpy as np
 from tqdm import tqdm
 
 from gemini_jax.data import corpus, tasks
+from gemini_jax.eval.heldout import heldout_text
 from gemini_jax.tokenizer import ByteTokenizer
 
 
@@ -18,7 +19,7 @@ def perplexity(engine, context: int, *, windows: int = 4, scored: int = 128, tex
                seed: int = 0) -> dict:
     """Mean bits per byte over the last `scored` bytes of `windows` random windows of `context`."""
     if text is None:
-        _, text = corpus.load_split("heldout")
+        text = heldout_text()
     if scored >= context:
         raise ValueError(f"scored={scored} must be < context={context}.")
     nll = []

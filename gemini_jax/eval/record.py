@@ -19,6 +19,7 @@ import os
 import subprocess
 from dataclasses import dataclass, field
 
+from gemini_jax import tiny
 from gemini_jax.errors import ConfigError
 
 REQUIRED = ("command", "config", "commit", "split", "seeds", "records")
@@ -71,8 +72,11 @@ def provenance(*, command: str, config: dict, split: str | None, seeds: list | N
                commit: str | None = None) -> dict:
     """The record's fields besides study, name and records: date, command, config, commit, split,
     seeds (for writers that lay out the rest of their JSON themselves, e.g. `write_needle`)."""
-    return {"date": utc_now(), "command": command, "config": config,
-            "commit": commit if commit is not None else git_commit(), "split": split, "seeds": seeds}
+    out = {"date": utc_now(), "command": command, "config": config,
+           "commit": commit if commit is not None else git_commit(), "split": split, "seeds": seeds}
+    if split is not None:  # trials drawn from the corpus: say whether it is the model's own
+        out["corpus"] = tiny.corpus_check().as_dict()
+    return out
 
 
 def write_record(results_dir: str, record: dict, markdown: str) -> dict[str, str]:

@@ -15,7 +15,8 @@ import numpy as np
 from tqdm import tqdm
 
 import gemini_jax as gj
-from gemini_jax.data import corpus, tasks
+from gemini_jax.data import tasks
+from gemini_jax.eval.heldout import heldout_text
 from gemini_jax.eval.record import StudyResult
 from gemini_jax.eval.recall import digest_recall
 from gemini_jax.eval.studies import as_tuple
@@ -43,7 +44,7 @@ class Config:
 def run(cfg: Config) -> StudyResult:
     """Window w of context T is drawn from seed [seed, T, w]; every block size scores the same window."""
     model = gj.load_tiny()
-    _, held = corpus.load_split("heldout")
+    held = heldout_text()
     records = []
     bar = tqdm(total=len(cfg.contexts) * cfg.windows * len(cfg.block_sizes), desc="digest recall")
     t0 = time.time()

@@ -17,8 +17,9 @@ from tqdm import tqdm
 
 import gemini_jax as gj
 from gemini_jax.config import CacheConfig, EngineConfig, SamplingParams, SparseConfig, TierConfig
-from gemini_jax.data import corpus, tasks
+from gemini_jax.data import tasks
 from gemini_jax.eval.needle import is_correct
+from gemini_jax.eval.heldout import heldout_text
 from gemini_jax.eval.record import StudyResult
 from gemini_jax.eval.studies import as_tuple, choice
 
@@ -107,7 +108,7 @@ def run(cfg: Config) -> StudyResult:
     """Trial t at (length i, depth j) draws its haystack window and key from seed [seed, i, j, t]."""
     model = gj.load_tiny()
     mcfg = model.cfg
-    _, held = corpus.load_split("heldout")
+    held = heldout_text()
     sp = SparseConfig(enabled=True, budget=cfg.budget, digest=cfg.digest, sink_pages=1, local_pages=2,
                       sparse_prefill=True, score_queries=64, positions=cfg.positions)
     tier = TierConfig(enabled=True, device_fraction=1.0, prefetch_depth=0)

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 import numpy as np
 
 import gemini_jax as gj
-from gemini_jax.data import corpus, tasks
+from gemini_jax.data import tasks
 from gemini_jax.errors import ConfigError
 from gemini_jax.eval.needle import is_correct
+from gemini_jax.eval.heldout import heldout_text
 from gemini_jax.eval.record import StudyResult
 from gemini_jax.eval.studies import as_tuple
 from gemini_jax.tokenizer import ByteTokenizer
@@ -42,7 +43,7 @@ class Config:
 
 def run(cfg: Config) -> StudyResult:
     """One dense engine, batch = the keys; trial i of a cell draws its haystack window from seed [seed, i]."""
-    _, hay = corpus.load_split("heldout")
+    hay = heldout_text()
     eng = gj.Engine(gj.load_tiny(), gj.config.from_dict(gj.EngineConfig, dict(
         max_seq_len=max(cfg.lengths) + 16, max_batch=len(cfg.keys), prefill_chunk=1024)))
     tok = ByteTokenizer()

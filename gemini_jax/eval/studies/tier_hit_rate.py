@@ -18,7 +18,7 @@ import numpy as np
 
 import gemini_jax as gj
 from gemini_jax.config import CacheConfig, EngineConfig, SparseConfig, TierConfig
-from gemini_jax.data import corpus
+from gemini_jax.eval.heldout import heldout_text
 from gemini_jax.eval.record import StudyResult
 from gemini_jax.eval.studies import as_tuple
 from gemini_jax.runtime import TieredRunner, new_stats
@@ -79,7 +79,7 @@ def measure(model, toks, cfg: Config, lookahead: int, fused: bool) -> dict:
 def run(cfg: Config) -> StudyResult:
     """No seeded trials: the prompt is the first `context` tokens of the held-out text."""
     model = gj.load_tiny()
-    _, text = corpus.load_split("heldout")
+    text = heldout_text()
     toks = np.asarray(text[:cfg.context], np.int32)
     rows = []
     for la in cfg.lookaheads:

@@ -20,9 +20,10 @@ import numpy as np
 import gemini_jax as gj
 from gemini_jax import tiny
 from gemini_jax.config import CacheConfig, EngineConfig, SamplingParams, SparseConfig, TierConfig
-from gemini_jax.data import corpus, tasks
+from gemini_jax.data import tasks
 from gemini_jax.errors import ConfigError
 from gemini_jax.eval.needle import is_correct
+from gemini_jax.eval.heldout import heldout_text
 from gemini_jax.eval.record import StudyResult
 from gemini_jax.eval.studies import choice
 
@@ -90,7 +91,7 @@ def run(cfg: Config) -> StudyResult:
     else:
         raise ConfigError("no shipped tiny model (gemini_jax/assets/tiny); export one first, or set "
                           "experiment.random_model=true.")
-    _, held = corpus.load_split("heldout")
+    held = heldout_text()
     rng = np.random.default_rng(cfg.seed)
     ex = tasks.needle_example(held, cfg.context, cfg.depth, rng)
     sp = SparseConfig(enabled=True, budget=cfg.budget, digest=cfg.digest, sink_pages=1, local_pages=2,
