@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import tempfile
 import typing
 from typing import Any, Dict, List, Optional
 
@@ -57,7 +59,8 @@ _REGISTERED = False
 
 
 def register() -> None:
-    """Register schemas (groups model/hardware/engine/sampling/sparse/tier) and the `gj_windows` resolver."""
+    """Register schemas (groups model/hardware/engine/sampling/sparse/tier) and the resolvers
+    `gj_windows` (per-layer windows) and `gj_run_dir` (a directory of this run's own)."""
     global _REGISTERED
     if _REGISTERED:
         return
@@ -66,6 +69,7 @@ def register() -> None:
 
     OmegaConf.register_new_resolver(
         "gj_windows", lambda n, w, p=0: config.windows_spec(int(n), int(w), int(p)), replace=True)
+    OmegaConf.register_new_resolver("gj_run_dir", run_dir, replace=True)
     cs = ConfigStore.instance()
     cs.store(group="model", name="schema", node=schema_of(config.ModelConfig))
     cs.store(group="hardware", name="schema", node=schema_of(config.HardwareConfig))
@@ -74,6 +78,17 @@ def register() -> None:
     cs.store(group="sparse", name="schema", node=schema_of(config.SparseConfig), package="engine.sparse")
     cs.store(group="tier", name="schema", node=schema_of(config.TierConfig), package="engine.tier")
     _REGISTERED = True
+
+
+def run_dir(name: str) -> str:
+    """`<this run's Hydra output directory>/<name>`; outside a Hydra job (compose, tests), a fresh
+    temporary directory: two runs never share (and so never clobber) a disk tier by default."""
+    from hydra.core.hydra_config import HydraConfig
+
+    try:
+        return os.path.join(HydraConfig.get().runtime.output_dir, name)
+    except ValueError:  # no Hydra job is running
+        return tempfile.mkdtemp(prefix=f"gemini_jax_{name}_")
 
 
 def build(cls, node):

@@ -69,3 +69,13 @@ def test_needle_keys_study_through_run_py(tmp_path):
     assert [(r["length"], r["depth"], r["of"]) for r in rec["records"]] == [(256, 0.5, 2)]
     md = (tmp_path / "results" / "needle_keys" / "needle_keys.md").read_text()
     assert md.startswith("# Dense needle on chosen keys") and "| 256 | 0.5 |" in md and rec["command"] in md
+
+
+def test_tier_scale_refuses_a_directory_it_did_not_make_and_deletes_nothing(tmp_path):
+    keep = tmp_path / "mine" / "notes.txt"
+    keep.parent.mkdir()
+    keep.write_text("not a disk tier")
+    study = studies.load("tier_scale")
+    with pytest.raises(ConfigError, match="experiment.disk_path=.* is not empty"):
+        study.run(study.Config(disk_path=str(keep.parent), context=256, random_model=True))
+    assert keep.read_text() == "not a disk tier"

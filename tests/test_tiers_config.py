@@ -6,11 +6,10 @@ import os
 
 import pytest
 from hydra import compose, initialize_config_dir
-from hydra.core.config_store import ConfigStore
 
 from gemini_jax.config import from_dict
 from gemini_jax.errors import ConfigError
-from gemini_jax.hydra_schema import build, schema_of
+from gemini_jax.hydra_schema import build, register
 from gemini_jax.tiers import TierConfig
 
 CONF = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
@@ -48,8 +47,7 @@ def test_unknown_field_refused():
 
 @pytest.mark.parametrize("preset", ["all_device", "host", "disk"])
 def test_presets_compose(preset, monkeypatch, tmp_path):
-    # The lead registers this schema with the others; registering it here again is harmless.
-    ConfigStore.instance().store(group="tier", name="schema", node=schema_of(TierConfig), package="engine.tier")
+    register()  # the schemas and resolvers (conf/tier/disk.yaml asks gj_run_dir for its default)
     monkeypatch.setenv("GJ_KV_DIR", str(tmp_path / "kv"))
     with initialize_config_dir(config_dir=CONF, version_base=None):
         cfg = compose(overrides=[f"+tier={preset}", "engine.tier.prefetch_depth=3"])
@@ -59,3 +57,10 @@ def test_presets_compose(preset, monkeypatch, tmp_path):
     assert (tier.disk_path is not None) == (preset == "disk")
     if preset == "disk":
         assert tier.disk_path == str(tmp_path / "kv") and tier.host_pages is not None
+    if preset == "disk":  # without GJ_KV_DIR: a directory of this run's own, another for the next run
+        monkeypatch.delenv("GJ_KV_DIR")
+        paths = []
+        for _ in range(2):
+            with initialize_config_dir(config_dir=CONF, version_base=None):
+                paths.append(build(TierConfig, compose(overrides=["+tier=disk"]).engine.tier).disk_path)
+        assert paths[0] != paths[1] and all(os.path.isdir(p) and not os.listdir(p) for p in paths), paths

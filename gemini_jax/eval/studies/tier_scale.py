@@ -10,8 +10,10 @@ answers are compared.
 
 from __future__ import annotations
 
+import os
 import resource
 import shutil
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -34,7 +36,7 @@ class Config:
     depth: float = 0.5
     device_fraction: float = 0.1
     host_pages: int = 8192
-    disk_path: str = "/tmp/gj_tier_scale"
+    disk_path: str | None = None  # None: a fresh temporary directory, removed afterwards
     disk_layout: str = "sharded"
     block_size: int = 16
     budget: int = 1024
@@ -80,6 +82,10 @@ def _run(model, ex, ecfg, label):
 
 def run(cfg: Config) -> StudyResult:
     """The needle's haystack window and key come from seed `seed` (one trial)."""
+    # NOTE: only a directory this study created is removed; a given one must be empty or new.
+    if cfg.disk_path and os.path.isdir(cfg.disk_path) and os.listdir(cfg.disk_path):
+        raise ConfigError(f"experiment.disk_path={cfg.disk_path!r} is not empty; give an empty or new directory "
+                          f"(the study writes a disk tier there and leaves it for you to remove).")
     if cfg.random_model:
         from flax import nnx
 
@@ -100,14 +106,17 @@ def run(cfg: Config) -> StudyResult:
     max_len = cfg.context + tasks.KEY_DIGITS + 1
     base = dict(max_seq_len=max_len, max_batch=1, prefill_chunk=cfg.chunk,
                 cache=CacheConfig(block_size=cfg.block_size, prefix_caching=False), sparse=sp)
-    shutil.rmtree(cfg.disk_path, ignore_errors=True)
+    disk_path = cfg.disk_path or tempfile.mkdtemp(prefix="gj_tier_scale_")
     tier = TierConfig(enabled=True, device_fraction=cfg.device_fraction, host_pages=cfg.host_pages,
-                      disk_path=cfg.disk_path, disk_layout=cfg.disk_layout, prefetch_depth=cfg.prefetch_depth,
+                      disk_path=disk_path, disk_layout=cfg.disk_layout, prefetch_depth=cfg.prefetch_depth,
                       hot_threshold=0)
-    runs = [_run(model, ex, EngineConfig(**base, tier=tier), "tiered")]
-    if cfg.resident:
-        runs.append(_run(model, ex, EngineConfig(**base), "all-resident"))
-    shutil.rmtree(cfg.disk_path, ignore_errors=True)
+    try:
+        runs = [_run(model, ex, EngineConfig(**base, tier=tier), "tiered")]
+        if cfg.resident:
+            runs.append(_run(model, ex, EngineConfig(**base), "all-resident"))
+    finally:
+        if not cfg.disk_path:
+            shutil.rmtree(disk_path, ignore_errors=True)
     mc = model.cfg
     extra = {"needle_at": ex.needle_at,
              "kv_bytes_total": 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * 4 * max_len}
