@@ -56,14 +56,17 @@ def find_sweep(target: str, results_dir: str = DEFAULT_RESULTS) -> str:
 
 
 def load_sweep(sweep_dir: str) -> list[dict]:
-    """The sweep's job records, sorted by the swept value (files that are not job records are skipped)."""
+    """The sweep's job records, sorted by the swept value. JSON files that are not job records are
+    skipped; a file that is not JSON at all stops the report (a job cut short must not vanish from
+    the table unnoticed)."""
     records = []
     for path in sorted(glob.glob(os.path.join(sweep_dir, "*.json"))):
         with open(path) as fh:
             try:
                 rec = json.load(fh)
-            except json.JSONDecodeError:
-                continue
+            except json.JSONDecodeError as err:
+                raise SystemExit(f"report: {path} is not valid JSON ({err}); the job that wrote it was probably "
+                                 f"cut short. Rerun that sweep point, or remove the file to report without it.")
         if isinstance(rec, dict) and "sweep" in rec and "metrics" in rec:
             rec["_path"] = path
             records.append(rec)

@@ -47,3 +47,13 @@ def test_report_wants_a_sweep_or_the_comparison():
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "report.py")], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "--sparse-vs-dense" in proc.stderr
+
+
+def test_a_damaged_sweep_record_stops_the_report(tmp_path):
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    (sweep / "block_size=16.json").write_text(json.dumps({"sweep": {"knob": "block_size", "value": 16}, "metrics": {}}))
+    (sweep / "block_size=32.json").write_text('{"sweep": {"knob": "block_size", "value": 32}, "metr')  # cut short
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "experiments", "report.py"), str(sweep)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "block_size=32.json is not valid JSON" in proc.stderr, proc.stderr[-2000:]
