@@ -513,7 +513,6 @@ class HardwareConfig:
     disk_read_gbs: Optional[float] = None
     disk_iops: Optional[float] = None
     dtype: str = "bfloat16"
-    attention_impl: str = "xla"  # xla | pallas
     mesh: MeshConfig = field(default_factory=MeshConfig)
     present: bool = False  # True only for the tier that describes the machine we run on
     notes: str = ""
@@ -529,8 +528,6 @@ class HardwareConfig:
         _require(self.device_memory_gb > 0, f"device_memory_gb={self.device_memory_gb} must be > 0.")
         _require(self.host_memory_gb > 0, f"host_memory_gb={self.host_memory_gb} must be > 0.")
         _require(self.dtype in DTYPES, f"hardware dtype={self.dtype!r} must be one of {DTYPES}.")
-        _require(self.attention_impl in ("xla", "pallas"),
-                 f"attention_impl={self.attention_impl!r} must be 'xla' or 'pallas'.")
         _require(_is_int(self.reference_context) and self.reference_context >= 1,
                  f"hardware reference_context={self.reference_context!r} must be an integer >= 1.")
         _require(0 <= self.device_reserve_gb <= self.device_memory_gb,

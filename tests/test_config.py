@@ -119,3 +119,11 @@ def test_extrapolate_presets(preset, rerank, budget):
             cfg = compose(config_name="config", overrides=["experiment=needle", f"sparse={preset}", "tier=host"])
         with pytest.raises(gj.errors.ConfigError, match="sparse.rerank"):
             build(EngineConfig, cfg.engine)
+
+
+def test_hardware_tiers_take_no_attention_path():
+    """The attention path is the engine's (engine.attention_impl); a hardware tier describes the
+    machine for the cost model and emulation, so a knob it would ignore is refused."""
+    with pytest.raises(ConfigError, match=r"unknown field\(s\) \['attention_impl'\]"):
+        from_dict(HardwareConfig, {"name": "gpu", "device_memory_gb": 80.0, "host_memory_gb": 512.0,
+                                   "attention_impl": "pallas"})
