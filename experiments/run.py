@@ -322,9 +322,23 @@ def run_fullstack(cfg, model, tok, desc):
     print("-" * 72)
     for k, v in rows:
         print(f"{k:<36}{v}")
-    return {"answer": answer, "correct": ok, "key": example.answer, "length": length, "stats": st,
-            "tier": tier, "emulated": emulated, "projection": proj, "resume_seconds": resume_s, "prefill_seconds_session": prefill_s,
-            "after_resume": again, "kv_read_fraction_of_dense": read / dense_bytes, "model": desc}
+    result = {"answer": answer, "correct": ok, "key": example.answer, "length": length, "stats": st,
+              "tier": tier, "emulated": emulated, "projection": proj, "resume_seconds": resume_s,
+              "prefill_seconds_session": prefill_s, "after_resume": again,
+              "after_resume_correct": is_correct(again, example.answer), "interrupted_after": tok.decode(first),
+              "decode_step_seconds": step_s, "kv_read_fraction_of_dense": read / dense_bytes, "model": desc}
+    # The job's figures as a committed-style record (command, commit, seed): what README quotes.
+    record = make_record("fullstack", StudyResult(
+        name=str(ex.out_name), records=[{k: v for k, v in result.items() if k not in ("stats", "tier", "projection")}],
+        split=str(ex.haystack) if str(ex.haystack) in ("heldout", "train") else None, seeds=[int(cfg.seed)],
+        extra={"stats": dict(st), "tier": tier, "table": dict(rows)}),
+        command=job_command(), config=OmegaConf.to_container(cfg, resolve=True))
+    paths = write_record(os.path.join(ROOT, cfg.results_dir), record,
+                         "\n".join([f"# The main job ({desc})", "", f"`{record['command']}` at commit {record['commit']}, "
+                                    f"seed {cfg.seed}.", "", "| | |", "| --- | --- |",
+                                    *[f"| {k} | {v} |" for k, v in rows]]))
+    print(f"{'record':<36}{paths['json']}")
+    return result
 
 
 def job_command() -> str:

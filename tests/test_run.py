@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from gemini_jax.eval.needle import is_correct
 from test_ablate import ROOT, sandbox_env
 
 
@@ -29,6 +30,12 @@ def test_fullstack_job_prints_the_table(tmp_path):
     assert not noise, noise[:5]
     res = json.loads((tmp_path / "run" / "result.json").read_text())
     assert res["length"] == 2048 and res["stats"]["decode_steps"] > 0
+    # `correct` is the exact-match verdict on the answer printed (not a constant).
+    assert res["correct"] == is_correct(res["answer"], res["key"]) and f"answer {res['answer']!r}" in out
+    assert res["after_resume_correct"] == is_correct(res["after_resume"], res["key"])
+    rec = json.loads((tmp_path / "results" / "fullstack" / "make_run.json").read_text())
+    assert rec["records"][0]["answer"] == res["answer"] and rec["seeds"] == [0] and rec["split"] == "heldout"
+    assert rec["command"].startswith("python experiments/run.py") and rec["commit"]
     assert res["tier"]["device_slots_per_layer"] < 2048 // 16  # pages really live below the device
     assert res["projection"]["label"] == "projection"
     # a100_80g is not this machine: the tiers copy its split of the reference workload's KV.
