@@ -225,40 +225,56 @@ CRASH_SCRIPT = textwrap.dedent('''
                     cache=dict(block_size=8))))
     sess = eng.start(list(range(1, 60)), gj.SamplingParams(max_new_tokens=3, temperature=0.0, stop_at_eos=False))
     sess.run()
+    sess.snapshot({path!r})  # one sealed snapshot exists before the parent starts its clock
     print("ready", flush=True)
     while True:
         sess.snapshot({path!r})
 ''')
 
 
-def _kill_during_snapshots(tmp_path, kills: int):
-    """SIGKILL a process that keeps re-snapshotting to one path; the path must always restore."""
+def _kill_during_snapshots(tmp_path, kills: int, seed: int):
+    """SIGKILL a process that keeps re-snapshotting to one path; the path must always restore.
+
+    The child seals one snapshot before it says "ready", so every kill lands while a sealed
+    snapshot exists (and, after a random delay, most likely in the middle of replacing it):
+    each kill must leave a snapshot that restores to the child's state and continues as a
+    fresh run would."""
     path = str(tmp_path / "snap")
     tests = os.path.dirname(os.path.abspath(__file__))
     model = random_model(tiny_config("llama"), 7)
     eng = _engine(model)
-    rng = np.random.default_rng()
+    prompt = list(range(1, 60))
+    gen = eng.generate(prompt, gj.SamplingParams(max_new_tokens=3, **GREEDY)).tokens
+    want = eng.generate(prompt + gen + [1, 2], gj.SamplingParams(max_new_tokens=2, **GREEDY)).tokens
+    rng = np.random.default_rng(seed)
+    killed_with_snapshot = restored = 0
     for k in range(kills):
         proc = subprocess.Popen([sys.executable, "-c", CRASH_SCRIPT.format(tests=tests, path=path)],
                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        assert proc.stdout.readline().strip() == "ready"
+        assert proc.stdout.readline().strip() == "ready", f"seed={seed} kill={k}: child never got ready"
         time.sleep(float(rng.uniform(0.05, 1.5)))
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-        if not os.path.exists(path):
-            continue  # killed before the first snapshot landed: nothing to restore, nothing wrong
+        assert proc.returncode == -signal.SIGKILL, f"seed={seed} kill={k}: child exited {proc.returncode}"
+        # A sealed snapshot existed before this kill: it (or its replacement) must still be there.
+        assert os.path.exists(path), f"seed={seed} kill={k}: the kill left no snapshot at {path}"
+        killed_with_snapshot += 1
         r = eng.resume(path, [1, 2], params=gj.SamplingParams(max_new_tokens=2, **GREEDY))
-        assert r.tokens[:59] == list(range(1, 60))
+        assert r.tokens == prompt + gen + [1, 2], f"seed={seed} kill={k}"
+        assert r.run() == want, f"seed={seed} kill={k}: the restored session continues differently"
         r.close()
+        restored += 1
+    assert killed_with_snapshot == restored == kills, (killed_with_snapshot, restored, kills)
+    assert eng.kv.pool.num_used == 0
 
 
 def test_kill_during_snapshot_leaves_restorable(tmp_path):
-    _kill_during_snapshots(tmp_path, 3)
+    _kill_during_snapshots(tmp_path, 3, seed=3)
 
 
 @pytest.mark.slow
 def test_kill_during_snapshot_20_times(tmp_path):
-    _kill_during_snapshots(tmp_path, 20)
+    _kill_during_snapshots(tmp_path, 20, seed=20)
 
 
 @pytest.mark.slow
