@@ -16,8 +16,10 @@ import tempfile
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 import gemini_jax as gj  # noqa: E402
 from gemini_jax.cache.paged import PagedKV  # noqa: E402
@@ -34,6 +36,19 @@ params = gj.SamplingParams(max_new_tokens=6, stop_at_eos=False)
 MESHES = {"1x8": {"data": 1, "model": 8}, "2x4": {"data": 2, "model": 4}, "8x1": {"data": 8, "model": 1}}
 SPARSE = {"dense": {}, "sparse": dict(enabled=True, budget=24, sink_pages=1, local_pages=1)}
 report = {"seed": seed, "max_err": {}, "tokens_equal": {}}
+
+
+ALL_GATHER = re.compile(r"= (\w+)\[([\d,]*)\][^ ]* all-gather")
+
+
+def all_gathers(hlo: str) -> list[list[str]]:
+    """[dtype, "d0,d1,.."] of every all-gather in compiled HLO text."""
+    return [[t, s] for t, s in ALL_GATHER.findall(hlo)]
+
+
+def instructions(hlo: str) -> int:
+    """How many HLO instructions the text holds (so a scan of an empty text cannot pass)."""
+    return sum(1 for line in hlo.splitlines() if " = " in line)
 
 
 def engine(mesh=None, sparse=None, tier=None):
@@ -72,9 +87,12 @@ for mname, mesh in MESHES.items():
                         jnp.zeros((), jnp.int32))
         hlo = eng.ctx.step.lower(eng.params, cache, jnp.zeros((2, 1), jnp.int32), jnp.zeros((2, 1), jnp.int32),
                               jnp.zeros(2, jnp.int32)).compile().as_text()
-        gathers = re.findall(r"= (\w+)\[([\d,]*)\][^ ]* all-gather", hlo)
-        report["all_gathers"] = [[t, s] for t, s in gathers]
+        report["all_gathers"] = all_gathers(hlo)
+        report["decode_hlo_instructions"] = instructions(hlo)
         report["pool_elems_per_device"] = int(shard.size)
+        # Positive control: replicating the pool on every device must show up as a pool-sized all-gather.
+        replicate = jax.jit(lambda x: x * 2, out_shardings=NamedSharding(pool.k.sharding.mesh, PartitionSpec()))
+        report["control_all_gathers"] = all_gathers(replicate.lower(pool.k).compile().as_text())
 
 # Over tiers: each shard of kv heads has its own host pool and zarr array on disk. The first
 # call of each jitted per-layer piece (a decode step) is recorded, to inspect its compiled HLO for all-gathers.
@@ -108,11 +126,13 @@ for mname in ("1x8", "2x4"):
                 "pages_fetched_host": out.stats["pages_fetched_host"], "shards": st["shards"],
                 "slot_elems_per_device": int(t.k.addressable_shards[0].data.size)}
         if mname == "1x8":
-            gathers = []
+            gathers, scanned = [], {}
             for name, (args, kwargs) in seen.items():
                 hlo = ORIG[name].lower(*args, **kwargs).compile().as_text()
-                gathers += [[name, ty, sh] for ty, sh in re.findall(r"= (\w+)\[([\d,]*)\][^ ]* all-gather", hlo)]
+                gathers += [[name, ty, sh] for ty, sh in all_gathers(hlo)]
+                scanned[name] = instructions(hlo)
             report["tiered"][key]["all_gathers"] = gathers
+            report["tiered"][key]["scanned_instructions"] = scanned
             seen.clear()
 
 # Resume from a snapshot: taken single-device and on (1x8); restored on (1x8), (2x4) and single.

@@ -31,11 +31,23 @@ def test_pool_is_sharded_by_kv_head(report):
     assert "model" in report["pool_spec"]
 
 
+def _elems(shape: str) -> int:
+    return int(np.prod([int(d) for d in shape.split(",") if d])) if shape else 1
+
+
+def test_all_gather_scan_finds_a_planted_all_gather(report):
+    """The scan below finds nothing in a good decode step; this shows it would find one: it
+    reports the pool-sized all-gather of a function that replicates the sharded pool."""
+    pool = report["pool_elems_per_device"]
+    assert any(_elems(shape) >= pool / 4 for _, shape in report["control_all_gathers"]), \
+        report["control_all_gathers"]
+
+
 def test_no_kv_all_gather_in_decode_step(report):
     pool = report["pool_elems_per_device"]
+    assert report["decode_hlo_instructions"] > 100, "the decode step's HLO was not scanned"
     for dtype, shape in report["all_gathers"]:
-        size = int(np.prod([int(d) for d in shape.split(",") if d])) if shape else 1
-        assert size < pool / 4, f"all-gather of {dtype}[{shape}] is pool-sized"
+        assert _elems(shape) < pool / 4, f"all-gather of {dtype}[{shape}] is pool-sized"
 
 
 def test_tiers_are_sharded_by_kv_head(report):
@@ -51,11 +63,14 @@ def test_tiers_are_sharded_by_kv_head(report):
 
 
 def test_no_kv_all_gather_in_tiered_decode_step(report):
+    scanned = {key: t["scanned_instructions"] for key, t in report["tiered"].items() if "all_gathers" in t}
+    # Both jitted per-layer pieces of a decode step were recorded and their HLO scanned, on each 1x8 run.
+    assert set(scanned) == {"tiered 1x8/dense", "tiered 1x8/sparse"}, scanned
+    for key, per_fn in scanned.items():
+        assert set(per_fn) == {"_front", "_back"} and min(per_fn.values()) > 10, (key, per_fn)
     for key, t in report["tiered"].items():
         for name, dtype, shape in t.get("all_gathers", []):
-            size = int(np.prod([int(d) for d in shape.split(",") if d])) if shape else 1
-            assert size < t["slot_elems_per_device"] / 4, f"{key}: {name} all-gathers {dtype}[{shape}]"
-    assert any("all_gathers" in t for t in report["tiered"].values())
+            assert _elems(shape) < t["slot_elems_per_device"] / 4, f"{key}: {name} all-gathers {dtype}[{shape}]"
 
 
 def test_snapshot_restores_across_mesh_shapes(report):
