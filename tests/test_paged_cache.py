@@ -123,26 +123,53 @@ def test_prefix_reuse_4k_computes_only_suffix():
     assert out.tokens == cold.tokens
 
 
-def test_fork_copies_partial_page_on_device():
-    rng = np.random.default_rng()
-    cfg = tiny_config("tiny")
-    eng = _engine(random_model(cfg, 1))
-    mgr = eng.kv
+def test_fork_shares_full_pages_and_copies_the_partial_one():
+    mgr = KVCacheManager(8, 8)
     mgr.add_sequence(0, [1] * 20)
     mgr.reserve(0, 20)
     mgr.commit(0, [1] * 20)
-    # Fill the sequence's pages with random data, then fork: the partial page must be copied.
-    page = mgr.seqs[0].pages[0]
-    k, v, _ = eng.store.gather([page])
-    eng.store.scatter([page], rng.normal(size=k.shape), rng.normal(size=v.shape))
     copies = mgr.fork(0, 1)
-    assert len(copies) == (1 if 20 % 64 else 0)
-    for c in copies:
-        eng.store.copy_pages([c.src], [c.dst])
-        src, dst = eng.store.gather([c.src]), eng.store.gather([c.dst])
-        np.testing.assert_array_equal(dst[0], src[0])
-        np.testing.assert_array_equal(dst[1], src[1])
-        assert mgr.seqs[1].pages[-1] == c.dst != mgr.seqs[0].pages[-1]
+    assert mgr.seqs[1].pages[:2] == mgr.seqs[0].pages[:2]  # full pages shared
+    assert [(c.src, c.dst) for c in copies] == [(mgr.seqs[0].pages[2], mgr.seqs[1].pages[2])]
+    assert mgr.seqs[1].pages[2] != mgr.seqs[0].pages[2]
+    assert mgr.pool.refcount[mgr.seqs[0].pages[0]] == 2 and mgr.pool.refcount[mgr.seqs[0].pages[2]] == 1
+
+
+def test_rewind_copies_partial_page_in_the_engine_pool():
+    """A rewind to mid-page gives the sequence a private copy of its partial page (copy-on-write):
+    the engine's pool holds the source page's bytes at the copy, and decoding on from there gives
+    the logits of a fresh forward over the kept tokens."""
+    seed = 4
+    rng = np.random.default_rng(seed)
+    cfg = tiny_config("tiny")
+    eng = _engine(random_model(cfg, seed))
+    S = eng.config.cache.block_size
+    prompt = random_prompts(rng, cfg.vocab_size, (100,))[0]
+    sess = eng.start(prompt, gj.SamplingParams(max_new_tokens=4, temperature=0.0, stop_at_eos=False))
+    sess.run()
+    tokens = sess.tokens
+    keep = 80  # the rewind keeps 79 tokens' KV (page 1 holds 15 of them) and recomputes the 80th
+    page = (keep - 1) // S
+    src = eng.kv.seqs[sess.seq_id].pages[page]
+    k_src, v_src, _ = eng.store.gather([src])  # [L, K, 1, S, D] from the engine's device pool
+    assert np.abs(k_src[:, :, 0, :(keep - 1) % S]).max() > 0, "the source page holds no KV"
+    sess.rewind(keep)
+    dst = eng.kv.seqs[sess.seq_id].pages[page]
+    assert dst != src
+    n = (keep - 1) % S
+    k_dst, v_dst, _ = eng.store.gather([dst])
+    np.testing.assert_array_equal(k_dst[:, :, 0, :n], k_src[:, :, 0, :n], err_msg=f"seed={seed}")
+    np.testing.assert_array_equal(v_dst[:, :, 0, :n], v_src[:, :, 0, :n], err_msg=f"seed={seed}")
+    logits = [np.asarray(sess.logits)[0]]
+    cont = []
+    for tok in sess:
+        cont.append(tok)
+        logits.append(np.asarray(sess.logits)[0])
+    assert len(cont) == 4
+    ref = np.asarray(gj.forward(eng.model, tokens[:keep] + cont))[keep - 1:]
+    np.testing.assert_allclose(np.stack(logits), ref, atol=1e-5, rtol=0, err_msg=f"seed={seed}")
+    sess.close()
+    assert eng.kv.pool.num_used == 0
 
 
 def test_sliding_window_frees_pages_only_when_no_layer_needs_them():
