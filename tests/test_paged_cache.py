@@ -172,29 +172,38 @@ def test_rewind_copies_partial_page_in_the_engine_pool():
     assert eng.kv.pool.num_used == 0
 
 
-def test_sliding_window_frees_pages_only_when_no_layer_needs_them():
-    rng = np.random.default_rng()
+def _run_counting_pages(cfg, seed, prompt_len=120):
+    """Generate 2 tokens with a spy on commit: (output, prompt, [(tokens committed, live pages)])."""
     params = gj.SamplingParams(max_new_tokens=2, stop_at_eos=False)
-    # Every layer slides (Mistral-like): pages behind the window are released during prefill.
-    cfg = tiny_config("mistral", layer_windows=(20, 20, 20))
-    eng = gj.Engine(random_model(cfg, 2), gj.config.from_dict(gj.EngineConfig, dict(
+    eng = gj.Engine(random_model(cfg, seed), gj.config.from_dict(gj.EngineConfig, dict(
         max_seq_len=256, prefill_chunk=16, cache=dict(block_size=8, prefix_caching=False))))
-    prompt = random_prompts(rng, cfg.vocab_size, (120,))[0]
+    prompt = random_prompts(np.random.default_rng(seed), cfg.vocab_size, (prompt_len,))[0]
     held = []
     orig_commit = eng.kv.commit
 
     def spy(sid, toks):
         orig_commit(sid, toks)
-        held.append(len(eng.kv.live_pages()))
+        held.append((eng.kv.seqs[sid].num_tokens, len(eng.kv.live_pages())))
 
     eng.kv.commit = spy
     out = eng.generate(prompt, params, return_logits=True)
-    assert max(held) <= 20 // 8 + 3  # window pages + one chunk's worth, never the whole prompt
     ref = np.asarray(gj.forward(eng.model, prompt + out.tokens))[len(prompt) - 1:len(prompt) + 1]
-    np.testing.assert_allclose(out.logits, ref, atol=1e-5)
-    # One global layer (Gemma-2-like): nothing may be dropped.
+    np.testing.assert_allclose(out.logits, ref, atol=1e-5, err_msg=f"{cfg.family} seed={seed}")
+    return out, prompt, held
+
+
+def test_sliding_window_frees_pages_only_when_no_layer_needs_them():
+    # Every layer slides (Mistral-like): pages behind the window are released during prefill.
+    cfg = tiny_config("mistral", layer_windows=(20, 20, 20))
+    _, _, held = _run_counting_pages(cfg, seed=2)
+    assert max(live for _, live in held) <= 20 // 8 + 3  # window pages + one chunk's worth, never the whole prompt
+    # One global layer (Gemma-2-like): nothing may be dropped, every page of every token stays live.
     cfg2 = tiny_config("gemma2")
     assert cfg2.max_window == 0
+    _, prompt, held2 = _run_counting_pages(cfg2, seed=3)
+    assert held2[-1][0] == len(prompt) + 1  # the prompt and the first generated token were written
+    for n_tokens, live in held2:
+        assert live == -(-n_tokens // 8), f"{live} pages live for {n_tokens} tokens: a page was dropped"
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
