@@ -7,11 +7,17 @@ import json
 import os
 import shutil
 
+from types import SimpleNamespace
+
+import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 import gemini_jax as gj
 from gemini_jax import tiny
+from gemini_jax.data import corpus
+from gemini_jax.eval import perplexity, unigram_bits_per_byte
 from gemini_jax.errors import CheckpointError
 from gemini_jax.weights import save_safetensors
 from helpers import random_model, tiny_config
@@ -69,9 +75,11 @@ def test_shipped_model_loads_and_fits_the_size_limit(tmp_path):
     size = sum(os.path.getsize(os.path.join(tiny.ASSET_DIR, f)) for f in os.listdir(tiny.ASSET_DIR))
     assert size <= 20 * 2**20, size
     card = tiny.card()
-    assert card["eval"]["heldout_bits_per_byte"]["bits_per_byte"] < card["eval"]["unigram_bits_per_byte"]
     model = gj.load_tiny()
     assert model.cfg.vocab_size == 259
+    # The card's parameter count is the loaded weights' count.
+    _, params = nnx.split(model, nnx.Param)
+    assert sum(x.size for x in jax.tree.leaves(params)) == card["num_params"]
     # A copy with one flipped byte is refused.
     bad = tmp_path / "tiny"
     shutil.copytree(tiny.ASSET_DIR, bad)
@@ -81,3 +89,35 @@ def test_shipped_model_loads_and_fits_the_size_limit(tmp_path):
     f.write_bytes(bytes(data))
     with pytest.raises(CheckpointError):
         tiny.load_tiny(str(bad))
+
+
+class _ForwardScorer:
+    """`engine.score` from a plain full-sequence forward, independent of the engine's cache."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def score(self, prompt, continuation):
+        logits = jax.nn.log_softmax(gj.forward(self.model, prompt + continuation), axis=-1)
+        logp = np.asarray(logits)[len(prompt) - 1:-1]
+        return SimpleNamespace(tokens=logp[np.arange(len(continuation)), continuation])
+
+
+@pytest.mark.skipif(not tiny.available(), reason="no shipped tiny model in this checkout")
+def test_shipped_model_scores_what_its_card_says():
+    """The card's held-out bits per byte, recomputed from the weights on the same windows, and
+    its unigram baseline recomputed from the corpus; the model must beat the baseline."""
+    card = tiny.card()
+    want = card["eval"]["heldout_bits_per_byte"]
+    got = perplexity(_ForwardScorer(gj.load_tiny()), want["context"], windows=want["windows"],
+                     scored=want["scored_per_window"], seed=1234)  # export_tiny.py's seed
+    uni = unigram_bits_per_byte()
+    assert got["bits_per_byte"] < uni, (got, uni)
+    here = corpus.manifest()
+    if all(here[s]["content_sha256"] == card["corpus"][s]["content_sha256"] for s in ("train", "heldout")):
+        assert got["bits_per_byte"] == pytest.approx(want["bits_per_byte"], rel=1e-5)
+        assert uni == pytest.approx(card["eval"]["unigram_bits_per_byte"], rel=1e-9)
+    else:  # another standard library: the card's figures are for other text
+        assert want["bits_per_byte"] < card["eval"]["unigram_bits_per_byte"]
+        print(f"corpus of python {here['python']} is not the card's ({card['corpus']['python']}): "
+              f"recomputed {got['bits_per_byte']:.4f} bits/byte, card {want['bits_per_byte']:.4f}")
