@@ -22,7 +22,7 @@ def test_split_is_deterministic_and_disjoint():
 
 def test_needle_example_shape_and_content():
     _, text = corpus.load_split("heldout")
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(1)
     for length in (200, 1000, 4096):
         depth = float(rng.random())
         ex = tasks.needle_example(text, length, depth, rng)
@@ -41,7 +41,7 @@ def test_needle_example_shape_and_content():
 
 def test_key_value_recall_has_distinct_names():
     _, text = corpus.load_split("train")
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(2)
     ex = tasks.needle_example(text, 2000, 0.3, rng, distractors=3)
     body = bytes(ex.prompt.astype(np.uint8)[1:]).decode("utf-8", "replace")
     assert body.count("# The pass key of ") == 4
@@ -51,7 +51,7 @@ def test_key_value_recall_has_distinct_names():
 
 def test_training_examples_weights():
     _, text = corpus.load_split("train")
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(3)
     toks, w = tasks.needle_training_example(text, 512, rng, answer_weight=7.0)
     assert toks.shape == (513,) and w.shape == (512,)
     assert np.all(w[-tasks.KEY_DIGITS:] == 7.0) and np.all(w[:-tasks.KEY_DIGITS] == 1.0)
@@ -61,4 +61,4 @@ def test_training_examples_weights():
 
 def test_too_short_for_needle():
     with pytest.raises(ValueError, match="too short"):
-        tasks.needle_example(np.frombuffer(b"abc\n" * 10, np.uint8), 40, 0.5, np.random.default_rng())
+        tasks.needle_example(np.frombuffer(b"abc\n" * 10, np.uint8), 40, 0.5, np.random.default_rng(4))

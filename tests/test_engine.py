@@ -16,7 +16,7 @@ CACHES = {"contiguous": dict(kind="contiguous"), "paged8": dict(block_size=8),
 @pytest.mark.parametrize("family", FAMILIES)
 def test_engine_matches_forward(family, cache):
     """Invariant 2: engine (contiguous or paged, sparsity off) == full-sequence forward."""
-    seed = int(np.random.default_rng().integers(1 << 30))
+    seed = 1000 + FAMILIES.index(family)  # per family, fixed: a failure replays
     rng = np.random.default_rng(seed)
     cfg = tiny_config(family)
     model = random_model(cfg, seed % 1000)
@@ -28,7 +28,7 @@ def test_engine_matches_forward(family, cache):
     for p, toks, lg in zip(prompts, out.tokens, out.logits):
         assert len(toks) == 12
         ref = np.asarray(gj.forward(model, p + toks))[len(p) - 1: len(p) - 1 + len(toks)]
-        np.testing.assert_allclose(lg, ref, rtol=0, atol=1e-5 * max(1.0, np.abs(ref).max()))
+        np.testing.assert_allclose(lg, ref, rtol=0, atol=1e-5 * max(1.0, np.abs(ref).max()), err_msg=f"seed={seed}")
         # Teacher-forced greedy check: each token is the reference argmax (up to near-ties).
         top = ref.max(-1)
         chosen = np.take_along_axis(ref, np.asarray(toks)[:, None], -1)[:, 0]
@@ -40,7 +40,7 @@ def test_engine_matches_forward(family, cache):
 
 
 def test_single_prompt_and_batch_agree():
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(1)
     cfg = tiny_config("tiny")
     model = random_model(cfg, 3)
     eng = gj.Engine(model, gj.EngineConfig(max_seq_len=64, prefill_chunk=8, max_batch=2))
@@ -54,7 +54,7 @@ def test_single_prompt_and_batch_agree():
 def test_sampling_seeded_and_reproducible():
     cfg = tiny_config("tiny")
     eng = gj.Engine(random_model(cfg, 5), gj.EngineConfig(max_seq_len=64))
-    prompt = random_prompts(np.random.default_rng(), cfg.vocab_size, (7,))[0]
+    prompt = random_prompts(np.random.default_rng(2), cfg.vocab_size, (7,))[0]
     p = gj.SamplingParams(max_new_tokens=20, temperature=1.3, top_k=30, top_p=0.95, seed=11,
                           stop_at_eos=False)
     a, b = eng.generate(prompt, p).tokens, eng.generate(prompt, p).tokens

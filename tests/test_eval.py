@@ -25,8 +25,8 @@ class OracleEngine:
 
 
 class RandomEngine:
-    def __init__(self):
-        self.rng = np.random.default_rng()
+    def __init__(self, seed: int):
+        self.rng = np.random.default_rng(seed)
 
     def generate(self, prompts, params):
         return SimpleNamespace(tokens=[list(self.rng.integers(48, 58, params.max_new_tokens)) for _ in prompts])
@@ -34,11 +34,11 @@ class RandomEngine:
 
 def test_oracle_scores_100_and_random_scores_near_0(tmp_path):
     lengths, depths = [300, 1200], [0.0, 0.5, 1.0]
-    res = needle(OracleEngine(), lengths, depths, trials=4, seed=int(np.random.default_rng().integers(1 << 20)))
+    res = needle(OracleEngine(), lengths, depths, trials=4, seed=33)
     assert res.overall == 1.0
     kv = needle(OracleEngine(), [1500], [0.3], trials=4, distractors=3)
     assert kv.overall == 1.0
-    rnd = needle(RandomEngine(), lengths, depths, trials=20)
+    rnd = needle(RandomEngine(seed=9), lengths, depths, trials=20)
     assert rnd.overall <= 0.05  # chance of guessing 5 digits (and no 6th) is ~1e-5
     write_needle(res, str(tmp_path), "oracle", "oracle")
     assert all((tmp_path / f"oracle.{e}").exists() for e in ("json", "md", "png"))
@@ -54,7 +54,7 @@ def test_exact_match_only():
 
 
 def test_score_matches_forward_and_perplexity_runs():
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(1)
     cfg = tiny_config("tiny", vocab_size=259)
     model = random_model(cfg, int(rng.integers(100)))
     eng = gj.Engine(model, gj.EngineConfig(max_seq_len=256, prefill_chunk=32))

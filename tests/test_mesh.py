@@ -12,7 +12,7 @@ import pytest
 
 @pytest.fixture(scope="module")
 def report():
-    seed = int(np.random.default_rng().integers(1 << 20))
+    seed = 2024  # fixed: a failure replays; reported in the messages
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mesh_check.py")
     out = subprocess.run([sys.executable, script, str(seed)], capture_output=True, text=True, timeout=900)
     line = [l for l in out.stdout.splitlines() if l.startswith("REPORT ")]

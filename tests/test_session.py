@@ -29,7 +29,7 @@ def _engine(model, max_seq_len=192, **sparse):
 
 @pytest.fixture(scope="module")
 def model():
-    return random_model(tiny_config("llama"), int(np.random.default_rng().integers(1000)))
+    return random_model(tiny_config("llama"), 17)
 
 
 def _near_tie_ok(eng, prefix, ours, ref):
@@ -44,7 +44,7 @@ def _near_tie_ok(eng, prefix, ours, ref):
 def test_resume_equals_fresh_run_50_cases(model, tmp_path):
     """Invariant 5 (greedy, fp32): resume(snapshot at t, I) == fresh run on prompt+gen[:t]+I;
     and with rewind_to == fresh run on (prompt+gen)[:r] + I. 50 seeded random cases."""
-    seed = int(np.random.default_rng().integers(1 << 30))
+    seed = 50
     rng = np.random.default_rng(seed)
     eng = _engine(model)
     vocab = model.cfg.vocab_size
@@ -71,7 +71,7 @@ def test_resume_equals_fresh_run_50_cases(model, tmp_path):
 
 def test_sampled_resume_is_reproducible(model, tmp_path):
     eng = _engine(model)
-    prompt = random_prompts(np.random.default_rng(), model.cfg.vocab_size, (20,))[0]
+    prompt = random_prompts(np.random.default_rng(1), model.cfg.vocab_size, (20,))[0]
     params = gj.SamplingParams(max_new_tokens=6, temperature=1.0, top_k=20, seed=5, stop_at_eos=False)
     sess = eng.start(prompt, params)
     sess.run()
@@ -100,7 +100,7 @@ def test_interrupt_from_another_thread(model):
 
 def test_branches_share_pages(model, tmp_path):
     eng = _engine(model)
-    sess = eng.start(random_prompts(np.random.default_rng(), model.cfg.vocab_size, (40,))[0],
+    sess = eng.start(random_prompts(np.random.default_rng(2), model.cfg.vocab_size, (40,))[0],
                      gj.SamplingParams(max_new_tokens=3, **GREEDY))
     sess.run()
     sess.snapshot(str(tmp_path / "s"))

@@ -72,7 +72,7 @@ def test_cap_engine_sizes_tiers_and_says_what_it_raised(tmp_path):
 def test_emulated_run_is_exact_and_moves_pages(tmp_path):
     cfg = tiny_config("llama")
     model = random_model(cfg, 3)
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(1)
     prompt = random_prompts(rng, cfg.vocab_size, [int(rng.integers(500, 700))])[0]
     e = _sparse_engine()
     p = proportions(_hw(device_memory_gb=0.6, host_memory_gb=1.0), REF, 4_000_000)

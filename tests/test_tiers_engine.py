@@ -26,12 +26,15 @@ def _base(sparse: bool, **over):
     return dict(max_seq_len=512, max_batch=2, prefill_chunk=32, cache=CacheConfig(block_size=8), sparse=sp, **over)
 
 
+CASE_SEED = 11  # the model's and the prompts' seed in `case`
+
+
 @pytest.fixture(scope="module", params=[("llama", False), ("gemma2", True)], ids=["dense-llama", "sparse-gemma2"])
 def case(request):
     family, sparse = request.param
     cfg = tiny_config(family)
-    model = random_model(cfg, 11)
-    rng = np.random.default_rng()  # fresh prompts every run
+    model = random_model(cfg, CASE_SEED)
+    rng = np.random.default_rng(CASE_SEED)
     prompts = random_prompts(rng, cfg.vocab_size, [int(rng.integers(120, 200)), int(rng.integers(60, 120))])
     ref = gj.Engine(model, EngineConfig(**_base(sparse))).generate(prompts, GREEDY, return_logits=True)
     return model, sparse, prompts, ref
@@ -45,7 +48,7 @@ def test_budgets_and_prefetch_depths_keep_the_numbers(case):
             tier = TierConfig(enabled=True, device_fraction=frac, prefetch_depth=depth, hot_threshold=0)
             with gj.Engine(model, EngineConfig(**_base(sparse), tier=tier)) as eng:
                 out = eng.generate(prompts, GREEDY, return_logits=True)
-            where = f"device_fraction={frac}, prefetch_depth={depth}"
+            where = f"device_fraction={frac}, prefetch_depth={depth}, seed={CASE_SEED}"
             assert out.tokens == ref.tokens, where
             for a, b in zip(out.logits, ref.logits):
                 # The layer-by-layer program rounds differently from the scanned one (f32 ulps).
@@ -101,7 +104,7 @@ def _disk_engine(model, tmp_path, **tier):
 def test_disk_tier_exact_and_counted(tmp_path):
     cfg = tiny_config("qwen3")
     model = random_model(cfg, 5)
-    prompts = random_prompts(np.random.default_rng(), cfg.vocab_size, [230])
+    prompts = random_prompts(np.random.default_rng(1), cfg.vocab_size, [230])
     ref = gj.Engine(model, EngineConfig(**_base(True))).generate(prompts, GREEDY, return_logits=True)
     with _disk_engine(model, tmp_path) as eng:
         out = eng.generate(prompts, GREEDY, return_logits=True)
@@ -116,7 +119,7 @@ def test_disk_tier_exact_and_counted(tmp_path):
 def test_corrupt_disk_page_raises_integrity_error(tmp_path):
     cfg = tiny_config("llama")
     model = random_model(cfg, 6)
-    prompt = random_prompts(np.random.default_rng(), cfg.vocab_size, [240])[0]
+    prompt = random_prompts(np.random.default_rng(2), cfg.vocab_size, [240])[0]
     with _disk_engine(model, tmp_path) as eng:
         eng.generate(prompt, SamplingParams(max_new_tokens=2, temperature=0.0))
         eng.store.stack.flush()
@@ -160,7 +163,7 @@ def test_sessions_over_tiers_resume_exactly(tmp_path, sparse):
     the snapshot restores on an all-resident engine and back."""
     cfg = tiny_config("gemma2" if sparse else "llama")
     model = random_model(cfg, 4)
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(3)
     prompt, instr = random_prompts(rng, cfg.vocab_size, [int(rng.integers(150, 200)), int(rng.integers(3, 9))])
     tier = TierConfig(enabled=True, device_fraction=0.25, host_pages=12, disk_path=str(tmp_path / "kv"),
                       prefetch_depth=2, hot_threshold=0)
@@ -206,7 +209,7 @@ def test_too_small_budget_is_cache_exhausted_not_wrong():
 def test_compact_positions_over_tiers_match_all_resident(distance):
     cfg = tiny_config("qwen2")
     model = random_model(cfg, 8)
-    prompts = random_prompts(np.random.default_rng(), cfg.vocab_size, [210, 170])
+    prompts = random_prompts(np.random.default_rng(4), cfg.vocab_size, [210, 170])
     sp = SparseConfig(enabled=True, budget=48, sink_pages=1, local_pages=1, positions="compact",
                       sparse_prefill=True, score_queries=8, score_distance=distance)
     base = dict(_base(True), sparse=sp)
@@ -233,7 +236,7 @@ def test_fused_decode_steps_bring_missing_pages_exactly(family, positions, dista
     the layer-by-layer path's — for prefetch depths 0 and 2 (gemma2: sliding windows, soft caps)."""
     cfg = tiny_config(family)
     model = random_model(cfg, 21)
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(5)
     prompts = random_prompts(rng, cfg.vocab_size, [int(rng.integers(330, 420))])
     base = _fused_base(positions=positions, score_distance=distance)
     ref = gj.Engine(model, EngineConfig(**base)).generate(prompts, GREEDY, return_logits=True)
@@ -256,7 +259,7 @@ def test_fused_decode_raises_integrity_error_for_a_corrupt_page(tmp_path):
     (typed, naming the page), not as a runtime error of the device program."""
     cfg = tiny_config("llama")
     model = random_model(cfg, 8)
-    prompt = random_prompts(np.random.default_rng(), cfg.vocab_size, [400])[0]
+    prompt = random_prompts(np.random.default_rng(6), cfg.vocab_size, [400])[0]
     tier = TierConfig(enabled=True, device_pages=24, host_pages=4, disk_path=str(tmp_path / "kv"), prefetch_depth=0,
                       hot_threshold=0)
     with gj.Engine(model, EngineConfig(**_fused_base(), tier=tier)) as eng:
@@ -279,7 +282,7 @@ def test_fused_decode_raises_integrity_error_for_a_corrupt_page(tmp_path):
 def test_selection_edit_hook_replaces_the_selection():
     """The research hook: an identity edit keeps the numbers (and runs decode layer by layer); an
     edit that forces a page in is what the attention reads (the log shows it, the logits move)."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(7)
     cfg = tiny_config("llama")
     model = random_model(cfg, int(rng.integers(100)))
     prompt = random_prompts(rng, cfg.vocab_size, [int(rng.integers(150, 250))])

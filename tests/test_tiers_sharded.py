@@ -20,7 +20,7 @@ def _pages(rng, n):
 
 
 def test_pages_round_trip_through_every_shard(tmp_path):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(1)
     pages = _pages(rng, 10)
     cfg = TierConfig(enabled=True, host_pages=3, disk_path=str(tmp_path))  # most pages spill to disk
     with ShardedTierStack(SPEC, cfg, shards=2) as stack:
@@ -40,7 +40,7 @@ def test_pages_round_trip_through_every_shard(tmp_path):
 
 
 def test_a_corrupt_shard_is_named(tmp_path):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(2)
     cfg = TierConfig(enabled=True, host_pages=1, disk_path=str(tmp_path))
     k, v = (rng.standard_normal(SPEC.page_shape).astype(np.float32) for _ in range(2))
     with ShardedTierStack(SPEC, cfg, shards=2) as stack:
@@ -56,7 +56,7 @@ def test_a_corrupt_shard_is_named(tmp_path):
 def test_shards_equal_the_plain_stack_and_bad_counts_fail(tmp_path):
     with pytest.raises(ConfigError, match="divide kv_heads=4"):
         ShardedTierStack(SPEC, TierConfig(enabled=True), shards=3)
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(3)
     pages = _pages(rng, 4)
     with ShardedTierStack(SPEC, TierConfig(enabled=True), shards=4) as a, TierStack(SPEC, TierConfig(enabled=True)) as b:
         for key, (k, v) in pages.items():

@@ -78,8 +78,7 @@ def _hf_model(config_cls: str, model_cls: str, **config_kwargs):
 
 
 def _tokens(batch: int, length: int, seed: int) -> np.ndarray:
-    del seed  # fresh tokens every run
-    return np.random.default_rng().integers(0, SIZES["vocab_size"], (batch, length))
+    return np.random.default_rng(seed).integers(0, SIZES["vocab_size"], (batch, length))
 
 
 def _ours(model: Decoder, tokens: np.ndarray) -> np.ndarray:
@@ -384,7 +383,7 @@ def test_integer_tensor(ckpt):
 def test_corrupt_safetensors(ckpt, damage):
     path = ckpt / "model.safetensors"
     data = path.read_bytes()
-    path.write_bytes(data[: len(data) // 2] if damage == "truncate" else np.random.bytes(4096))
+    path.write_bytes(data[: len(data) // 2] if damage == "truncate" else np.random.default_rng(387).bytes(4096))
     with pytest.raises(CheckpointError, match=r"model\.safetensors: not a readable safetensors file"):
         load_hf(ckpt)
 
