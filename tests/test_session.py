@@ -298,3 +298,22 @@ def test_soak_1000_cycles(model, tmp_path):
     assert eng.kv.pool.num_used == 0
     print("max RSS (KiB) every 100 cycles:", rss)
     assert rss[-1] - rss[1] < 200_000  # < 200 MB growth after warm-up
+
+
+def test_killed_between_the_renames_of_a_replace_the_old_snapshot_still_restores(model, tmp_path):
+    """Replacing a snapshot moves the old one aside, then renames the new one in. A process killed
+    between the two leaves the state built here by hand; the old snapshot must still restore,
+    and the next save clears what was left aside."""
+    eng = _engine(model)
+    sess = eng.start([5, 6, 7, 8], gj.SamplingParams(max_new_tokens=3, **GREEDY))
+    sess.run()
+    snap = tmp_path / "s"
+    digest = sess.snapshot(str(snap))
+    aside = tmp_path / ".s.tmp-0123abcd.old"
+    os.rename(snap, aside)  # the first rename of a replace happened; the second never did
+    restored = eng.resume(str(snap), [9])
+    assert restored.snapshot_hash == digest and restored.tokens[:7] == sess.tokens
+    restored.close()
+    sess.snapshot(str(snap))  # a later save completes and removes the copy left aside
+    assert snap.is_dir() and not aside.exists()
+    sess.close()

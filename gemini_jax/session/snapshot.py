@@ -12,6 +12,7 @@ Layout of a snapshot directory:
 from __future__ import annotations
 
 import dataclasses
+import glob
 import hashlib
 import json
 import os
@@ -105,6 +106,8 @@ def save_snapshot(sess, path: str, *, include_kv: bool = True) -> str:
             fh.flush()
             os.fsync(fh.fileno())
         if os.path.exists(path):  # replace: move the old one aside first, then swap
+            # NOTE: killed between these renames, the old snapshot waits aside, sealed, and
+            # load_snapshot finds it there; the next save removes it.
             old = f"{tmp}.old"
             os.rename(path, old)
             os.rename(tmp, path)
@@ -114,14 +117,26 @@ def save_snapshot(sess, path: str, *, include_kv: bool = True) -> str:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    for stale in glob.glob(os.path.join(parent, f".{glob.escape(os.path.basename(path))}.tmp-*.old")):
+        shutil.rmtree(stale, ignore_errors=True)  # copies left aside by a save that was killed
     return digest
+
+
+def _replaced_copy(path: str) -> str:
+    """`path`, or, when a process was killed between the two renames that replace a snapshot
+    (`save_snapshot`), the previous snapshot it had moved aside: still sealed, still valid."""
+    if os.path.isdir(path):
+        return path
+    aside = glob.glob(os.path.join(os.path.dirname(path), f".{glob.escape(os.path.basename(path))}.tmp-*.old"))
+    aside = [d for d in aside if os.path.isfile(os.path.join(d, "SEALED"))]
+    return max(aside, key=os.path.getmtime) if aside else path
 
 
 def load_snapshot(path: str) -> tuple[dict, dict, str]:
     """(meta, arrays, content hash) of a sealed snapshot, or SnapshotError saying what is wrong."""
     from orbax import checkpoint as ocp
 
-    path = os.path.abspath(path)
+    path = _replaced_copy(os.path.abspath(path))
     if not os.path.isdir(path):
         raise SnapshotError(f"no snapshot at {path!r}.")
     try:
