@@ -14,7 +14,6 @@ import sys
 import tempfile
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -25,7 +24,7 @@ import gemini_jax as gj  # noqa: E402
 from gemini_jax.cache.paged import PagedKV  # noqa: E402
 from gemini_jax.errors import ConfigError  # noqa: E402
 from gemini_jax.runtime import tiered as tiers_runner  # noqa: E402
-from helpers import random_model, random_prompts, tiny_config  # noqa: E402
+from gemini_jax.testing import random_model, random_prompts, tiny_config  # noqa: E402
 
 seed = int(sys.argv[1])
 rng = np.random.default_rng(seed)

@@ -10,7 +10,7 @@ import gemini_jax as gj
 from gemini_jax.config import EngineConfig, HardwareConfig, ModelConfig, from_dict
 from gemini_jax.errors import ConfigError
 from gemini_jax.hydra_schema import build, register
-from helpers import tiny_config
+from gemini_jax.testing import tiny_config
 
 CONF = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
 

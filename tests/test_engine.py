@@ -5,7 +5,7 @@ import pytest
 
 import gemini_jax as gj
 from gemini_jax.errors import ContextLengthError, SamplingError, TokenError
-from helpers import FAMILIES, random_model, random_prompts, tiny_config
+from gemini_jax.testing import FAMILIES, random_model, random_prompts, tiny_config
 
 
 CACHES = {"contiguous": dict(kind="contiguous"), "paged8": dict(block_size=8),

@@ -8,7 +8,7 @@ import pytest
 
 import gemini_jax as gj
 from gemini_jax.eval import is_correct, needle, perplexity, unigram_bits_per_byte, write_needle
-from helpers import random_model, tiny_config
+from gemini_jax.testing import random_model, tiny_config
 
 
 class OracleEngine:

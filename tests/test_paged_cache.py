@@ -8,7 +8,7 @@ import gemini_jax as gj
 from gemini_jax.cache.block_pool import NULL_PAGE, BlockPool
 from gemini_jax.cache.manager import KVCacheManager
 from gemini_jax.errors import CacheExhausted
-from helpers import random_model, random_prompts, tiny_config
+from gemini_jax.testing import random_model, random_prompts, tiny_config
 
 
 def _owners(mgr: KVCacheManager) -> dict[int, int]:

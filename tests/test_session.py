@@ -16,7 +16,7 @@ import pytest
 import gemini_jax as gj
 from gemini_jax.errors import BudgetExceeded, ContextLengthError, SnapshotError, TokenError
 from gemini_jax.session import verify
-from helpers import random_model, random_prompts, tiny_config
+from gemini_jax.testing import random_model, random_prompts, tiny_config
 
 GREEDY = dict(temperature=0.0, stop_at_eos=False)
 
@@ -216,10 +216,9 @@ def test_budget_stops_with_partial_result(model):
 
 
 CRASH_SCRIPT = textwrap.dedent('''
-    import sys, numpy as np
-    sys.path.insert(0, {tests!r})
+    import numpy as np
     import gemini_jax as gj
-    from helpers import random_model, tiny_config
+    from gemini_jax.testing import random_model, tiny_config
     model = random_model(tiny_config("llama"), 7)
     eng = gj.Engine(model, gj.config.from_dict(gj.EngineConfig, dict(max_seq_len=192, prefill_chunk=16,
                     cache=dict(block_size=8))))
@@ -240,7 +239,6 @@ def _kill_during_snapshots(tmp_path, kills: int, seed: int):
     each kill must leave a snapshot that restores to the child's state and continues as a
     fresh run would."""
     path = str(tmp_path / "snap")
-    tests = os.path.dirname(os.path.abspath(__file__))
     model = random_model(tiny_config("llama"), 7)
     eng = _engine(model)
     prompt = list(range(1, 60))
@@ -249,7 +247,7 @@ def _kill_during_snapshots(tmp_path, kills: int, seed: int):
     rng = np.random.default_rng(seed)
     killed_with_snapshot = restored = 0
     for k in range(kills):
-        proc = subprocess.Popen([sys.executable, "-c", CRASH_SCRIPT.format(tests=tests, path=path)],
+        proc = subprocess.Popen([sys.executable, "-c", CRASH_SCRIPT.format(path=path)],
                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         assert proc.stdout.readline().strip() == "ready", f"seed={seed} kill={k}: child never got ready"
         time.sleep(float(rng.uniform(0.05, 1.5)))

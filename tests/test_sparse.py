@@ -9,7 +9,7 @@ from gemini_jax.attention import page_scores, select_pages
 from gemini_jax.attention.digests import page_digest
 from gemini_jax.attention.views import PageView, Selection
 from gemini_jax.errors import ConfigError
-from helpers import FAMILIES, random_model, random_prompts, tiny_config
+from gemini_jax.testing import FAMILIES, random_model, random_prompts, tiny_config
 
 
 def _engine(model, sparse=None, block=8, **kw):

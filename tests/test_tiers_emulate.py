@@ -10,7 +10,7 @@ import gemini_jax as gj
 from gemini_jax.config import CacheConfig, EngineConfig, HardwareConfig, SamplingParams, SparseConfig
 from gemini_jax.errors import ConfigError
 from gemini_jax.tiers.emulate import cap_engine, min_device_fraction, proportions
-from helpers import random_model, random_prompts, tiny_config
+from gemini_jax.testing import random_model, random_prompts, tiny_config
 
 REF = gj.ModelConfig(family="llama", vocab_size=1000, hidden_size=256, intermediate_size=512, num_layers=4,
                      num_heads=4, num_kv_heads=2, head_dim=64)

@@ -13,7 +13,7 @@ from gemini_jax.config import CacheConfig, EngineConfig, SamplingParams, SparseC
 from gemini_jax.errors import ConfigError, IntegrityError
 from gemini_jax import tiny
 from gemini_jax.data import corpus
-from helpers import random_model, random_prompts, tiny_config
+from gemini_jax.testing import random_model, random_prompts, tiny_config
 
 BUDGETS = (1.0, 0.5, 0.25, 0.1)
 DEPTHS = (0, 1, 2, 4)

@@ -20,7 +20,7 @@ from gemini_jax.data import corpus
 from gemini_jax.eval import perplexity, unigram_bits_per_byte
 from gemini_jax.errors import CheckpointError
 from gemini_jax.weights import save_safetensors
-from helpers import random_model, tiny_config
+from gemini_jax.testing import random_model, tiny_config
 
 
 @pytest.fixture
