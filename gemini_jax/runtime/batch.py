@@ -61,6 +61,15 @@ class LayerProgram:
     attention: AttentionImpl
     digest_kind: Optional[str]
     block_size: int
+    # The model's graph hashes by walking it, and jit hashes its static arguments on every call
+    # (several per layer): hash once here.
+    _hash: int = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "_hash", hash((self.graphdef, self.attention, self.digest_kind, self.block_size)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
 
 class CallArrays(NamedTuple):
