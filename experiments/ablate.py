@@ -41,6 +41,7 @@ import gemini_jax as gj
 from gemini_jax import tiny
 from gemini_jax.config import EngineConfig, SamplingParams
 from gemini_jax.data import corpus, tasks
+from gemini_jax.eval.trials import Draw
 from gemini_jax.hydra_schema import build, register
 from run import load_model  # the main job's model loading and labelling (this script's directory is on sys.path)
 
@@ -191,14 +192,14 @@ def run_workload(eng: gj.Engine, tok, w: dict, seed: int, byte_level: bool) -> d
         before = dict(eng.stats)
         t0 = time.perf_counter()
         nd = needle(eng, [w["needle_length"]], [w["needle_depth"]], trials=w["needle_trials"],
-                    batch=min(w["needle_trials"], eng.config.max_batch), haystack=text, seed=seed)
+                    batch=min(w["needle_trials"], eng.config.max_batch), haystack=text, draw=Draw("dev", seed))  # ablations choose knobs
         secs["needle"] = time.perf_counter() - t0
         res["needle"] = {"accuracy": nd.overall, "length": w["needle_length"], "depth": w["needle_depth"],
                          "trials": nd.trials, "records": nd.records, "stats": _delta(before, eng.stats)}
         before = dict(eng.stats)
         t0 = time.perf_counter()
         pp = perplexity(eng, w["bpb_context"], windows=w["bpb_windows"], scored=w["bpb_scored"],
-                        text=text, seed=seed)
+                        text=text, draw=Draw("dev", seed))
         secs["bits_per_byte"] = time.perf_counter() - t0
         res["bits_per_byte"] = {**pp, "stats": _delta(before, eng.stats)}
     else:

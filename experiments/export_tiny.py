@@ -24,6 +24,7 @@ from gemini_jax import tiny
 from gemini_jax.config import ModelConfig
 from gemini_jax.data import corpus
 from gemini_jax.eval import needle, perplexity, unigram_bits_per_byte
+from gemini_jax.eval.trials import Draw
 from gemini_jax.hydra_schema import build
 from gemini_jax.weights import save_safetensors
 from train_tiny import ROOT, make_optimizer, restore_latest  # this script's directory is on sys.path
@@ -51,10 +52,10 @@ def main(cfg: DictConfig) -> None:
     lengths = sorted({int(s["seq_len"]) for s in stages if s["until"] <= step} | {int(stages[0]["seq_len"])})
     needle_acc = {}
     for L in lengths:
-        res = needle(eng, [L], [0.1, 0.3, 0.5, 0.7, 0.9], trials=max(1, trials // 5), batch=8, seed=1234)
+        res = needle(eng, [L], [0.1, 0.3, 0.5, 0.7, 0.9], trials=max(1, trials // 5), batch=8, draw=Draw("dev", 1234))
         needle_acc[str(L)] = {"accuracy": res.overall, "trials": 5 * res.trials}
         print(f"needle @{L}: {res.overall:.3f} over {5 * res.trials} trials")
-    bpb = perplexity(eng, 1024, windows=bpb_windows, scored=256, seed=1234)
+    bpb = perplexity(eng, 1024, windows=bpb_windows, scored=256, draw=Draw("dev", 1234))
     uni = unigram_bits_per_byte()
     print(f"held-out bits/byte @1024: {bpb['bits_per_byte']:.3f} (unigram baseline {uni:.3f})")
     info = {

@@ -28,6 +28,7 @@ from gemini_jax import tiny
 from gemini_jax.config import EngineConfig, HardwareConfig, ModelConfig, SamplingParams
 from gemini_jax.eval import studies
 from gemini_jax.eval.record import StudyResult, make_record, provenance, write_record
+from gemini_jax.eval.trials import Draw
 from gemini_jax.hydra_schema import build, register
 
 register()
@@ -141,8 +142,9 @@ def run_needle(cfg, model, tok, desc):
     ex = cfg.experiment
     lengths = [int(x) for x in ex.lengths]
     eng = gj.Engine(model, _engine_for(cfg, max(lengths) + 16, model))
+    draw = Draw(str(ex.split), int(cfg.seed))
     res = needle(eng, lengths, [float(d) for d in ex.depths], trials=int(ex.trials), batch=int(ex.batch),
-                 distractors=int(ex.distractors), haystack=_haystack(ex.haystack), seed=int(cfg.seed))
+                 distractors=int(ex.distractors), haystack=_haystack(ex.haystack), draw=draw)
     e = eng.config
     label = (f"{desc}; cache {e.cache.kind} bs={e.cache.block_size}; "
              + (f"sparse {e.sparse.digest} budget={e.sparse.budget}"
@@ -151,14 +153,15 @@ def run_needle(cfg, model, tok, desc):
                 + (f", scored at distance {e.sparse.score_distance}" if e.sparse.score_distance else "")
                 + (f", rerank {e.sparse.rerank}" if e.sparse.rerank else "") if e.sparse.enabled else "dense"))
     out_dir = os.path.join(ROOT, cfg.results_dir, "needle")
-    meta = provenance(command=job_command(), config=OmegaConf.to_container(ex, resolve=True), split=ex.haystack,
-                      seeds=[int(cfg.seed)])
-    paths = write_needle(res, out_dir, ex.out_name, label, {"study": "needle", "name": ex.out_name, **meta,
-                                                            "engine": OmegaConf.to_container(cfg.engine),
-                                                            "model": desc})
+    meta = provenance(command=job_command(), config=OmegaConf.to_container(ex, resolve=True), split=draw.split,
+                      seeds=[draw.seed])
+    paths = write_needle(res, out_dir, ex.out_name, f"{label}; {draw.split} trials",
+                         {"study": "needle", "name": ex.out_name, **meta, "haystack": str(ex.haystack),
+                          "engine": OmegaConf.to_container(cfg.engine), "model": desc})
     print(f"model: {desc}")
-    for L, accs in zip(res.lengths, res.accuracy):
-        print(f"{L:>8}  " + "  ".join(f"{a:.2f}" for a in accs))
+    for L, accs, r in zip(res.lengths, res.accuracy, res.by_length()):
+        print(f"{L:>8}  " + "  ".join(f"{a:.2f}" for a in accs)
+              + f"   {r['hits']}/{r['trials']} [{100 * r['ci95'][0]:.1f}, {100 * r['ci95'][1]:.1f}]%")
     print(f"{'overall accuracy':<28}{res.overall:.3f}")
     print(f"{'written':<28}{paths['md']}")
     return {"stats": dict(eng.stats), **res.to_dict()}
@@ -170,20 +173,24 @@ def run_perplexity(cfg, model, tok, desc):
     ex = cfg.experiment
     contexts = [int(c) for c in ex.contexts]
     eng = gj.Engine(model, _engine_for(cfg, max(contexts) + 16, model))
-    rows = [perplexity(eng, c, windows=int(ex.windows), scored=int(ex.scored), seed=int(cfg.seed))
-            for c in contexts]
+    draw = Draw(str(ex.split), int(cfg.seed))
+    rows = [perplexity(eng, c, windows=int(ex.windows), scored=int(ex.scored), draw=draw) for c in contexts]
     uni = unigram_bits_per_byte()
     print(f"model: {desc}")
     for r in rows:
-        print(f"{'bits/byte @' + str(r['context']):<28}{r['bits_per_byte']:.3f}")
+        print(f"{'bits/byte @' + str(r['context']):<28}{r['bits_per_byte']:.3f} "
+              f"[{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}] ({r['windows']} x {r['scored_per_window']} bytes)")
     print(f"{'unigram baseline':<28}{uni:.3f}")
     result = make_record("perplexity", StudyResult(
-        name=ex.out_name, records=rows, split="heldout", seeds=[int(cfg.seed)],
+        name=ex.out_name, records=rows, split=draw.split, seeds=[draw.seed],
         extra={"unigram_bits_per_byte": uni, "model": desc, "engine": OmegaConf.to_container(cfg.engine)}),
         command=job_command(), config=OmegaConf.to_container(ex, resolve=True))
-    md = (f"### bits per byte, held-out stdlib ({desc})\n\n| context | bits/byte |\n|---|---|\n"
-          + "".join(f"| {r['context']} | {r['bits_per_byte']:.3f} |\n" for r in rows)
-          + f"| unigram baseline | {uni:.3f} |\n")
+    md = (f"### bits per byte, held-out stdlib ({desc}; {draw.split} windows)\n\n"
+          f"{int(ex.windows)} windows x {int(ex.scored)} scored bytes per context; 95% t interval over windows.\n\n"
+          "| context | bits/byte | 95% interval |\n|---|---|---|\n"
+          + "".join(f"| {r['context']} | {r['bits_per_byte']:.3f} | [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}] |\n"
+                    for r in rows)
+          + f"| unigram baseline | {uni:.3f} | |\n")
     write_record(os.path.join(ROOT, cfg.results_dir), result, md)
     return {"stats": dict(eng.stats), **result}
 

@@ -194,6 +194,8 @@ class Engine:
     def score(self, prompts, continuations) -> GenerateOutput:
         """Teacher-forced log-probabilities of `continuations` after `prompts`, computed through
         the same prefill + decode path as generation (so cache, sparsity and tiers all apply).
+        Consecutive requests whose continuations have the same length share decode steps, up to
+        `max_batch` at a time (each row's numbers are its own: rows never mix).
 
         Returns GenerateOutput whose `tokens` holds, per prompt, f32[len(continuation)] log-probs.
         """
@@ -201,16 +203,28 @@ class Engine:
         plist, clist = ([prompts], [continuations]) if single else (list(prompts), list(continuations))
         if len(plist) != len(clist):
             raise ValueError(f"{len(plist)} prompts but {len(clist)} continuations.")
+        checked = []
+        for i, (p, c) in enumerate(zip(plist, clist)):
+            params = SamplingParams(max_new_tokens=len(c), stop_at_eos=False)
+            checked.append((self._check_request(p, params, f"prompts[{i}]"),
+                            validate_tokens(c, self.model_cfg.vocab_size, f"continuations[{i}]")))
         stats = new_stats()
         secs = {"prefill": 0.0, "decode": 0.0}
         out = []
-        for i, (p, c) in enumerate(zip(plist, clist)):
-            params = SamplingParams(max_new_tokens=len(c), stop_at_eos=False)
-            toks = self._check_request(p, params, f"prompts[{i}]")
-            forced = validate_tokens(c, self.model_cfg.vocab_size, f"continuations[{i}]")
-            _, lg = self._generate_group([toks], params, i, stats, secs, True, forced=[forced])
-            logp = jax.nn.log_softmax(jnp.asarray(lg[0]), axis=-1)
-            out.append(np.asarray(jnp.take_along_axis(logp, jnp.asarray(forced)[:, None], -1)[:, 0]))
+        start = 0
+        while start < len(checked):
+            end = start + 1
+            while (end < len(checked) and end - start < self.config.max_batch
+                   and len(checked[end][1]) == len(checked[start][1])):
+                end += 1
+            group = checked[start:end]
+            params = SamplingParams(max_new_tokens=len(group[0][1]), stop_at_eos=False)
+            forced = [f for _, f in group]
+            _, lgs = self._generate_group([t for t, _ in group], params, start, stats, secs, True, forced=forced)
+            for lg, f in zip(lgs, forced):
+                logp = jax.nn.log_softmax(jnp.asarray(lg), axis=-1)
+                out.append(np.asarray(jnp.take_along_axis(logp, jnp.asarray(f)[:, None], -1)[:, 0]))
+            start = end
         self.stats.add(stats)
         return GenerateOutput(out[0] if single else out, stats.as_dict(), None, secs)
 

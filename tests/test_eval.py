@@ -8,6 +8,7 @@ import pytest
 
 import gemini_jax as gj
 from gemini_jax.eval import is_correct, needle, perplexity, unigram_bits_per_byte, write_needle
+from gemini_jax.eval.trials import Draw
 from gemini_jax.testing import random_model, tiny_config
 
 
@@ -34,7 +35,7 @@ class RandomEngine:
 
 def test_oracle_scores_100_and_random_scores_near_0(tmp_path):
     lengths, depths = [300, 1200], [0.0, 0.5, 1.0]
-    res = needle(OracleEngine(), lengths, depths, trials=4, seed=33)
+    res = needle(OracleEngine(), lengths, depths, trials=4, draw=Draw("test", 33))
     assert res.overall == 1.0
     kv = needle(OracleEngine(), [1500], [0.3], trials=4, distractors=3)
     assert kv.overall == 1.0
@@ -126,3 +127,61 @@ def _brute_force_recall(model, toks, *, block_size, k_pages, queries, sink_pages
                     sel = set(sorted(candidates, key=lambda p: -score[kind][p])[:k_pages])
                     hits[kind].append(len(true & sel) / k_pages)
     return {kind: float(np.mean(v)) for kind, v in hits.items()}
+
+
+def test_dev_trials_are_the_earlier_derivation_and_test_trials_are_disjoint():
+    """dev keeps the derivation the presets were tuned on; test draws other prompts (keys and
+    haystack offsets); a misspelt split is refused by name."""
+    seed = 5
+    dev = Draw("dev", seed)
+    assert np.array_equal(dev.rng(1, 2, 3).integers(0, 1 << 30, 8),
+                          np.random.default_rng([seed, 1, 2, 3]).integers(0, 1 << 30, 8)), f"seed={seed}"
+    hay = np.random.default_rng(seed).integers(32, 127, 50_000).astype(np.uint8)
+    from gemini_jax.data import tasks
+
+    def prompts(split):
+        d = Draw(split, seed)
+        return {tasks.needle_example(hay, 2000, 0.5, d.rng(0, 0, t)).prompt.tobytes() for t in range(40)}
+
+    assert len(prompts("dev")) == len(prompts("test")) == 40
+    assert not prompts("dev") & prompts("test"), f"seed={seed}: a test trial is also a dev trial"
+    with pytest.raises(gj.errors.ConfigError, match="split='tset'"):
+        Draw("tset", seed)
+
+
+def test_intervals_match_known_values():
+    from gemini_jax.eval.intervals import mean_t95, t95, wilson
+
+    assert t95(1) == 12.706 and t95(30) == 2.042
+    assert t95(31) == pytest.approx(2.0395, abs=1e-3) and t95(99) == pytest.approx(1.9842, abs=1e-3)
+    lo, hi = wilson(97, 100)  # Wilson 95% for 97/100: [0.9155, 0.9897]
+    assert lo == pytest.approx(0.9155, abs=1e-3) and hi == pytest.approx(0.9897, abs=1e-3)
+    assert wilson(0, 10)[0] == 0.0 and wilson(10, 10)[1] == pytest.approx(1.0)
+    m, lo, hi = mean_t95([1.0, 2.0, 3.0, 4.0])  # mean 2.5, sd 1.291, t(3) 3.182
+    assert (m, lo, hi) == pytest.approx((2.5, 2.5 - 3.182 * 1.2910 / 2, 2.5 + 3.182 * 1.2910 / 2), abs=1e-3)
+
+
+def test_batched_scoring_equals_one_request_at_a_time():
+    """Engine.score shares decode steps between requests of equal continuation length; each
+    row's log-probs must be what it gets alone (rows never mix)."""
+    seed = 21
+    rng = np.random.default_rng(seed)
+    model = random_model(tiny_config("tiny", vocab_size=259), seed)
+    eng = gj.Engine(model, gj.EngineConfig(max_seq_len=128, prefill_chunk=32, max_batch=3))
+    reqs = [([int(x) for x in rng.integers(0, 256, n)], [int(x) for x in rng.integers(0, 256, m)])
+            for n, m in [(40, 12), (37, 12), (51, 12), (45, 12), (30, 7)]]  # groups: 3, 1 (max_batch), 1 (length)
+    together = eng.score([p for p, _ in reqs], [c for _, c in reqs]).tokens
+    for i, (p, c) in enumerate(reqs):
+        np.testing.assert_allclose(together[i], eng.score(p, c).tokens, atol=1e-5, err_msg=f"seed={seed} request {i}")
+
+
+def test_perplexity_reports_a_t_interval_over_windows():
+    seed = 8
+    model = random_model(tiny_config("tiny", vocab_size=259), seed)
+    eng = gj.Engine(model, gj.EngineConfig(max_seq_len=256, prefill_chunk=32, max_batch=4))
+    out = perplexity(eng, 96, windows=5, scored=16, draw=Draw("test", seed))
+    assert len(out["per_window"]) == 5 and out["split"] == "test"
+    from gemini_jax.eval.intervals import mean_t95
+
+    assert (out["bits_per_byte"], *out["ci95"]) == pytest.approx(mean_t95(out["per_window"]))
+    assert out["ci95"][0] < out["bits_per_byte"] < out["ci95"][1], f"seed={seed}"

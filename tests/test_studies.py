@@ -79,3 +79,28 @@ def test_tier_scale_refuses_a_directory_it_did_not_make_and_deletes_nothing(tmp_
     with pytest.raises(ConfigError, match="experiment.disk_path=.* is not empty"):
         study.run(study.Config(disk_path=str(keep.parent), context=256, random_model=True))
     assert keep.read_text() == "not a disk tier"
+
+
+def test_record_commit_is_dirty_for_code_changes_not_for_rewritten_results(tmp_path):
+    """A results run rewrites tracked result files: that is its output, so the record's commit
+    stays clean; an uncommitted code change marks it "+dirty"."""
+    import subprocess
+
+    from gemini_jax.eval.record import git_commit
+
+    def git(*args):
+        subprocess.run(["git", "-c", "user.email=t@t", "-c", "user.name=t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)
+
+    (tmp_path / "experiments" / "results").mkdir(parents=True)
+    (tmp_path / "code.py").write_text("x = 1\n")
+    (tmp_path / "experiments" / "results" / "r.json").write_text("{}\n")
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-qm", "c")
+    head = git_commit(str(tmp_path))
+    assert head is not None and not head.endswith("+dirty")
+    (tmp_path / "experiments" / "results" / "r.json").write_text('{"new": 1}\n')
+    assert git_commit(str(tmp_path)) == head
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert git_commit(str(tmp_path)) == head + "+dirty"

@@ -18,6 +18,7 @@ import gemini_jax as gj
 from gemini_jax import tiny
 from gemini_jax.data import corpus
 from gemini_jax.eval import perplexity, unigram_bits_per_byte
+from gemini_jax.eval.trials import Draw
 from gemini_jax.errors import CheckpointError
 from gemini_jax.weights import save_safetensors
 from gemini_jax.testing import random_model, tiny_config
@@ -97,10 +98,13 @@ class _ForwardScorer:
     def __init__(self, model):
         self.model = model
 
-    def score(self, prompt, continuation):
-        logits = jax.nn.log_softmax(gj.forward(self.model, prompt + continuation), axis=-1)
-        logp = np.asarray(logits)[len(prompt) - 1:-1]
-        return SimpleNamespace(tokens=logp[np.arange(len(continuation)), continuation])
+    def score(self, prompts, continuations):  # lists of requests, as perplexity() passes them
+        out = []
+        for prompt, continuation in zip(prompts, continuations):
+            logits = jax.nn.log_softmax(gj.forward(self.model, prompt + continuation), axis=-1)
+            logp = np.asarray(logits)[len(prompt) - 1:-1]
+            out.append(logp[np.arange(len(continuation)), continuation])
+        return SimpleNamespace(tokens=out)
 
 
 @pytest.mark.skipif(not tiny.available(), reason="no shipped tiny model in this checkout")
@@ -110,7 +114,7 @@ def test_shipped_model_scores_what_its_card_says():
     card = tiny.card()
     want = card["eval"]["heldout_bits_per_byte"]
     got = perplexity(_ForwardScorer(gj.load_tiny()), want["context"], windows=want["windows"],
-                     scored=want["scored_per_window"], seed=1234)  # export_tiny.py's seed
+                     scored=want["scored_per_window"], draw=Draw("dev", 1234))  # export_tiny.py's
     uni = unigram_bits_per_byte()
     assert got["bits_per_byte"] < uni, (got, uni)
     here = corpus.manifest()

@@ -15,6 +15,8 @@ from tqdm import tqdm
 from gemini_jax.config import SamplingParams
 from gemini_jax.data import tasks
 from gemini_jax.eval.heldout import heldout_text
+from gemini_jax.eval.intervals import wilson
+from gemini_jax.eval.trials import Draw
 from gemini_jax.tokenizer import ByteTokenizer
 
 
@@ -30,9 +32,20 @@ class NeedleResult:
     def overall(self) -> float:
         return float(np.mean(self.accuracy))
 
+    def by_length(self) -> list[dict]:
+        """Per length: hits, trials and the accuracy's 95% Wilson interval over every depth's trials."""
+        out = []
+        for L, accs in zip(self.lengths, self.accuracy):
+            n = self.trials * len(accs)
+            hits = int(round(sum(accs) * self.trials))
+            lo, hi = wilson(hits, n)
+            out.append({"length": L, "hits": hits, "trials": n, "accuracy": hits / n, "ci95": [lo, hi]})
+        return out
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d["overall"] = self.overall
+        d["by_length"] = self.by_length()
         return d
 
 
@@ -42,11 +55,12 @@ def is_correct(generated: str, key: str) -> bool:
 
 
 def needle(engine, lengths, depths, *, trials: int = 5, haystack: np.ndarray | None = None,
-           seed: int = 0, batch: int = 1, distractors: int = 0) -> NeedleResult:
+           draw: Draw = Draw(), batch: int = 1, distractors: int = 0) -> NeedleResult:
     """Accuracy per (length, depth) cell over `trials` needles each.
 
-    haystack: uint8 text (default: the held-out standard-library sources). Trials are seeded
-    by (seed, length index, depth index, trial), so a cell's prompts are the same for every engine.
+    haystack: uint8 text (default: the held-out standard-library sources). Trial t of cell (i, j)
+    is drawn from `draw.rng(i, j, t)` (`gemini_jax.eval.trials`: dev or test split), so a cell's
+    prompts are the same for every engine.
     """
     if haystack is None:
         haystack = heldout_text()
@@ -60,7 +74,7 @@ def needle(engine, lengths, depths, *, trials: int = 5, haystack: np.ndarray | N
     for i, j in cells:
         examples = []
         for t in range(trials):
-            rng = np.random.default_rng([seed, i, j, t])
+            rng = draw.rng(i, j, t)
             examples.append(tasks.needle_example(haystack, int(lengths[i]), float(depths[j]), rng,
                                                  distractors=distractors))
         hits = 0

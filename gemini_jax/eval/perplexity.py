@@ -12,26 +12,35 @@ from tqdm import tqdm
 
 from gemini_jax.data import corpus, tasks
 from gemini_jax.eval.heldout import heldout_text
+from gemini_jax.eval.intervals import mean_t95
+from gemini_jax.eval.trials import Draw
 from gemini_jax.tokenizer import ByteTokenizer
 
 
 def perplexity(engine, context: int, *, windows: int = 4, scored: int = 128, text: np.ndarray | None = None,
-               seed: int = 0) -> dict:
-    """Mean bits per byte over the last `scored` bytes of `windows` random windows of `context`."""
+               draw: Draw = Draw()) -> dict:
+    """Mean bits per byte over the last `scored` bytes of `windows` random windows of `context`,
+    with a 95% interval over windows (a t interval on the per-window means: bytes within one
+    window are not independent). Window w is drawn from `draw.rng(context, w)`; the engine scores
+    up to its `max_batch` windows per decode step."""
     if text is None:
         text = heldout_text()
     if scored >= context:
         raise ValueError(f"scored={scored} must be < context={context}.")
-    nll = []
-    for w in tqdm(range(windows), desc=f"bpb@{context}", disable=None):  # a bar on a terminal only
-        rng = np.random.default_rng([seed, context, w])
-        window = tasks.text_window(text, context - 1, rng).astype(np.int32)
+    prompts, tails = [], []
+    for w in range(windows):
+        window = tasks.text_window(text, context - 1, draw.rng(context, w)).astype(np.int32)
         toks = np.concatenate([[ByteTokenizer.BOS], window])
-        out = engine.score(list(map(int, toks[:-scored])), list(map(int, toks[-scored:])))
-        nll.append(-np.asarray(out.tokens))
-    nll = np.concatenate(nll)
-    return {"context": context, "windows": windows, "scored_per_window": scored,
-            "bits_per_byte": float(nll.mean() / np.log(2))}
+        prompts.append(list(map(int, toks[:-scored])))
+        tails.append(list(map(int, toks[-scored:])))
+    step = max(1, int(getattr(getattr(engine, "config", None), "max_batch", 1)))
+    per_window = []
+    for g in tqdm(range(0, windows, step), desc=f"bpb@{context}", disable=None):  # a bar on a terminal only
+        out = engine.score(prompts[g:g + step], tails[g:g + step])
+        per_window += [float(-np.mean(np.asarray(lp)) / np.log(2)) for lp in out.tokens]
+    mean, lo, hi = mean_t95(per_window)
+    return {"context": context, "windows": windows, "scored_per_window": scored, "split": draw.split,
+            "seed": draw.seed, "bits_per_byte": mean, "ci95": [lo, hi], "per_window": per_window}
 
 
 def unigram_bits_per_byte(train: np.ndarray | None = None, heldout: np.ndarray | None = None) -> float:

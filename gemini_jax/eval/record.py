@@ -5,8 +5,9 @@ The JSON holds what it takes to reproduce and to trust a figure:
     {"study", "name", "date", "command", "config", "commit", "split", "seeds", "records", ...}
 
 `commit` is `git rev-parse HEAD` of the checkout the code was imported from, with "+dirty" when
-its tree has uncommitted changes (None outside a git checkout); `split` is the data split the
-trials were drawn from (None when the study draws no seeded trials); `seeds` the base seed(s) the
+its tracked files outside `experiments/results/` have uncommitted changes (None outside a git
+checkout); `split` is the trial split, dev or test, the seeded trials were drawn from
+(`gemini_jax.eval.trials`; None when the study draws no seeded trials); `seeds` the base seed(s) the
 trial seeds derive from (None likewise); `records` the study's rows, flat dicts where possible.
 Study-specific fields (e.g. a model's layer count) sit beside them.
 """
@@ -27,12 +28,15 @@ REQUIRED = ("command", "config", "commit", "split", "seeds", "records")
 
 def git_commit(path: str | None = None) -> str | None:
     """`git rev-parse HEAD` of the checkout holding `path` (default: this package), "+dirty" appended
-    when `git status --porcelain` lists changes; None when git or the checkout is not there."""
+    when `git status --porcelain` lists changes to tracked files outside `experiments/results/`
+    (results a run has just rewritten are its output, not its code); None when git or the
+    checkout is not there."""
     where = path or os.path.dirname(os.path.abspath(__file__))
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True,
                               check=True, timeout=30).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=where,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                ":(exclude)experiments/results"], cwd=where,
                                capture_output=True, text=True, check=True, timeout=60).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None

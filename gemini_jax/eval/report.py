@@ -13,8 +13,11 @@ def needle_markdown(res: NeedleResult, title: str) -> str:
     sep = "|" + "---|" * (len(res.depths) + 2)
     rows = [f"| {L} | " + " | ".join(f"{a:.2f}" for a in accs) + f" | {sum(accs) / len(accs):.2f} |"
             for L, accs in zip(res.lengths, res.accuracy)]
+    totals = ["", "| length | right / trials | accuracy [95% Wilson interval] |", "|---|---|---|"]
+    totals += [f"| {r['length']} | {r['hits']} / {r['trials']} | {100 * r['accuracy']:.1f}% "
+               f"[{100 * r['ci95'][0]:.1f}, {100 * r['ci95'][1]:.1f}] |" for r in res.by_length()]
     return "\n".join([f"### {title}", "", f"{res.trials} trials per cell; exact match of the 5-digit key.",
-                      "", head, sep, *rows, ""])
+                      "", head, sep, *rows, *totals, ""])
 
 
 def needle_heatmap(res: NeedleResult, path: str, title: str) -> None:

@@ -21,6 +21,7 @@ from gemini_jax.eval.record import StudyResult
 from gemini_jax.eval.recall import digest_recall
 from gemini_jax.eval.studies import as_tuple
 from gemini_jax.tokenizer import ByteTokenizer
+from gemini_jax.eval.trials import Draw
 
 _KEYS = ("context", "window", "block_size", "k_pages")
 
@@ -50,7 +51,7 @@ def run(cfg: Config) -> StudyResult:
     t0 = time.time()
     for T in cfg.contexts:
         for w in range(cfg.windows):
-            rng = np.random.default_rng([cfg.seed, T, w])
+            rng = Draw("dev", cfg.seed).rng(T, w)
             toks = np.concatenate([[ByteTokenizer.BOS], tasks.text_window(held, T - 1, rng)]).astype(np.int32)
             for bs in cfg.block_sizes:
                 r = digest_recall(model, toks, block_size=bs, k_pages=cfg.budget // bs, queries=cfg.queries,
@@ -59,7 +60,7 @@ def run(cfg: Config) -> StudyResult:
                                 **{k: float(np.mean(v)) for k, v in r.items()}})
                 bar.update(1)
     bar.close()
-    return StudyResult(name=cfg.out_name, records=records, split="heldout", seeds=[cfg.seed],
+    return StudyResult(name=cfg.out_name, records=records, split="dev", seeds=[cfg.seed],
                        extra={"seconds": time.time() - t0})
 
 

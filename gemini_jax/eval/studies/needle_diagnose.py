@@ -22,6 +22,7 @@ from gemini_jax.eval.needle import is_correct
 from gemini_jax.eval.heldout import heldout_text
 from gemini_jax.eval.record import StudyResult
 from gemini_jax.eval.studies import as_tuple, choice
+from gemini_jax.eval.trials import Draw
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,7 +127,7 @@ def run(cfg: Config) -> StudyResult:
         cells = [(i, L, j, d, t) for i, L in enumerate(cfg.lengths) for j, d in enumerate(cfg.depths)
                  for t in range(cfg.trials)]
         for i, L, j, d, t in tqdm(cells, desc="needle diagnosis", unit="trial"):
-            ex = tasks.needle_example(held, L, d, np.random.default_rng([cfg.seed, i, j, t]))
+            ex = tasks.needle_example(held, L, d, Draw("dev", cfg.seed).rng(i, j, t))
             pages = needle_pages(ex, cfg.block_size)
             forced.clear()
             forced.update(pages)
@@ -144,7 +145,7 @@ def run(cfg: Config) -> StudyResult:
             trials.append({"length": L, "depth": d, "trial": t, "key": ex.answer, "answer": text,
                            "correct": is_correct(text, ex.answer), "needle_pages": sorted(pages),
                            "hit": hit.tolist()})
-    return StudyResult(name=cfg.stem, records=trials, split="heldout", seeds=[cfg.seed],
+    return StudyResult(name=cfg.stem, records=trials, split="dev", seeds=[cfg.seed],
                        extra={"num_layers": mcfg.num_layers, "num_kv_heads": mcfg.num_kv_heads})
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 
 import gemini_jax as gj
 from gemini_jax.data import tasks
@@ -19,6 +18,7 @@ from gemini_jax.eval.heldout import heldout_text
 from gemini_jax.eval.record import StudyResult
 from gemini_jax.eval.studies import as_tuple
 from gemini_jax.tokenizer import ByteTokenizer
+from gemini_jax.eval.trials import Draw
 
 # Keys that sparse runs with compact positions miscopied at 8K / 32K (most repeat a digit).
 DEFAULT_KEYS = ("22679", "78734", "22245", "84037", "86812", "36113", "68623", "44920", "83793")
@@ -51,7 +51,7 @@ def run(cfg: Config) -> StudyResult:
     rows = []
     for length in cfg.lengths:
         for depth in cfg.depths:
-            exs = [tasks.needle_example(hay, length, depth, np.random.default_rng([cfg.seed, i]), key=k)
+            exs = [tasks.needle_example(hay, length, depth, Draw("dev", cfg.seed).rng(i), key=k)
                    for i, k in enumerate(cfg.keys)]
             out = eng.generate([list(map(int, e.prompt)) for e in exs], params)
             got = [tok.decode([t for t in g if t < 256]) for g in out.tokens]
@@ -59,7 +59,7 @@ def run(cfg: Config) -> StudyResult:
             rows.append({"length": length, "depth": depth, "right": len(cfg.keys) - len(wrong), "of": len(cfg.keys),
                          "wrong": wrong})
             print(f"{length:6d} {depth:.2f} {len(cfg.keys) - len(wrong)}/{len(cfg.keys)} {wrong}", flush=True)
-    return StudyResult(name=cfg.out_name, records=rows, split="heldout", seeds=[cfg.seed],
+    return StudyResult(name=cfg.out_name, records=rows, split="dev", seeds=[cfg.seed],
                        extra={"keys": list(cfg.keys)})
 
 

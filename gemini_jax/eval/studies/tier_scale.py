@@ -122,7 +122,7 @@ def run(cfg: Config) -> StudyResult:
              "kv_bytes_total": 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * 4 * max_len}
     if cfg.resident:
         extra["same_answer"] = runs[0]["answer"] == runs[1]["answer"]
-    return StudyResult(name=cfg.stem, records=runs, split="heldout", seeds=[cfg.seed], extra=extra)
+    return StudyResult(name=cfg.stem, records=runs, split="dev", seeds=[cfg.seed], extra=extra)
 
 
 def _gib(n):

@@ -1,0 +1,127 @@
+"""`make results [SUBSET=name]`: regenerate the README's results tables, one named subset at a time.
+
+    python experiments/results.py --list                 # the subsets, their jobs, rough CPU times
+    python experiments/results.py needle                 # run every job of a subset (long: see --list)
+    python experiments/results.py needle --missing       # only jobs whose record file is absent
+    python experiments/results.py --render               # rewrite the README's generated tables
+
+Each job is an `experiments/run.py` command; it writes its record (command, config, commit, split,
+seeds, records) under experiments/results/. `--render` rebuilds the README blocks between
+`<!-- results:NAME -->` and `<!-- /results:NAME -->` from those files alone, so a table in the
+README is never typed by hand; tests/test_results_files.py checks that the README's blocks are
+what the committed files render to.
+
+Knobs were chosen on dev trials; the README reports test trials, with dev beside them
+(gemini_jax.eval.trials).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "experiments", "results")
+DEPTHS10 = "[0.05,0.15,0.25,0.35,0.45,0.55,0.65,0.75,0.85,0.95]"
+DEPTHS5 = "[0.1,0.3,0.5,0.7,0.9]"
+
+
+@dataclass(frozen=True)
+class Job:
+    record: str          # <study>/<name>: the record file stem under experiments/results/
+    overrides: tuple     # experiments/run.py overrides
+    minutes: int         # rough CPU minutes on a 2-core machine (for --list)
+
+    @property
+    def path(self) -> str:
+        return os.path.join(RESULTS, self.record + ".json")
+
+
+def _needle(name, preset, length, trials, split, minutes, depths=DEPTHS10):
+    lengths = f"[{length}]" if isinstance(length, int) else length
+    return Job(f"needle/{name}", ("experiment=needle", f"sparse={preset}", f"experiment.lengths={lengths}",
+                                  f"experiment.depths={depths}", f"experiment.trials={trials}",
+                                  f"experiment.split={split}", f"experiment.out_name={name}"), minutes)
+
+
+def _bpb(name, preset, contexts, split, minutes):
+    return Job(f"perplexity/{name}", ("experiment=perplexity", f"sparse={preset}", f"experiment.contexts={contexts}",
+                                      "experiment.windows=32", "experiment.scored=1024", f"experiment.split={split}",
+                                      f"experiment.out_name={name}"), minutes)
+
+
+# dev: the trials the presets were tuned on (seed 0, the grids' earlier derivation: 10 depths x 10
+# trials at 8K, x 5 at 32K); test: fresh trials, twice as many.
+SUBSETS: dict[str, list[Job]] = {
+    "needle": [
+        _needle("rerank_8k_test", "extrapolate_rerank", 8192, 20, "test", 11),
+        _needle("rerank_32k_test", "extrapolate_rerank", 32768, 10, "test", 22),
+        _needle("extrapolate_8k_test", "extrapolate", 8192, 20, "test", 10),
+        _needle("extrapolate_32k_test", "extrapolate", 32768, 10, "test", 20),
+        _needle("rerank_8k_dev", "extrapolate_rerank", 8192, 10, "dev", 6),
+        _needle("rerank_32k_dev", "extrapolate_rerank", 32768, 5, "dev", 11),
+        _needle("extrapolate_8k_dev", "extrapolate", 8192, 10, "dev", 5),
+        _needle("extrapolate_32k_dev", "extrapolate", 32768, 5, "dev", 10),
+        _needle("dense_test", "off", "[1024,2048,4096,8192]", 10, "test", 12, depths=DEPTHS5),
+    ],
+    "bpb": [
+        _bpb("bpb_extrapolate_test", "extrapolate", "[2048,4096,8192,16384,32768]", "test", 35),
+        _bpb("bpb_dense_test", "off", "[2048,4096,8192]", "test", 12),
+        _bpb("bpb_extrapolate_dev", "extrapolate", "[2048,4096,8192,16384,32768]", "dev", 35),
+        _bpb("bpb_dense_dev", "off", "[2048,4096,8192]", "dev", 12),
+    ],
+    "fullstack": [Job("fullstack/make_run", (), 2)],
+}
+
+
+def run_subset(name: str, *, missing_only: bool) -> int:
+    jobs = SUBSETS[name]
+    failed = 0
+    for i, job in enumerate(jobs, 1):
+        if missing_only and os.path.exists(job.path):
+            print(f"[{name} {i}/{len(jobs)}] {job.record}: record exists, skipped (--missing)", flush=True)
+            continue
+        cmd = [sys.executable, os.path.join(ROOT, "experiments", "run.py"), *job.overrides]
+        print(f"[{name} {i}/{len(jobs)}] {job.record} (~{job.minutes} min): {' '.join(cmd[1:])}", flush=True)
+        t0 = time.perf_counter()
+        rc = subprocess.run(cmd, cwd=ROOT).returncode
+        print(f"[{name} {i}/{len(jobs)}] {job.record}: exit {rc} after {(time.perf_counter() - t0) / 60:.1f} min",
+              flush=True)
+        failed += rc != 0
+    return failed
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("subsets", nargs="*", help=f"named subsets ({', '.join(SUBSETS)}; 'all' for every one)")
+    ap.add_argument("--list", action="store_true", help="list subsets and jobs, run nothing")
+    ap.add_argument("--missing", action="store_true", help="run only jobs whose record file is absent")
+    ap.add_argument("--render", action="store_true", help="rewrite the README's generated tables from the files")
+    args = ap.parse_args(argv)
+    names = list(SUBSETS) if "all" in args.subsets else args.subsets
+    unknown = [n for n in names if n not in SUBSETS]
+    if unknown:
+        ap.error(f"unknown subset(s) {unknown}; choose from {list(SUBSETS)} or 'all'")
+    if args.list or not (names or args.render):
+        for n, jobs in SUBSETS.items():
+            print(f"{n} (~{sum(j.minutes for j in jobs)} min)")
+            for j in jobs:
+                print(f"  {j.record:<36} {'present' if os.path.exists(j.path) else 'absent ':<8} "
+                      f"run.py {' '.join(j.overrides)}")
+        return 0
+    failed = sum(run_subset(n, missing_only=args.missing) for n in names)
+    if args.render:
+        from results_tables import render_readme  # this script's directory is on sys.path
+
+        changed = render_readme(os.path.join(ROOT, "README.md"), RESULTS)
+        print(f"README.md: {changed} generated table(s) rewritten")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
