@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 export JAX_PLATFORMS ?= cpu
 export WANDB_MODE ?= offline
 
-.PHONY: run test test-slow lint bench clean
+.PHONY: run test test-slow lint bench results clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,12 @@ test-slow: $(VENV)/.installed-test
 
 bench: $(VENV)/.installed-test
 	$(PY) experiments/bench.py
+
+# Regenerate the README's results tables: `make results SUBSET=needle` (bpb, fullstack; default all).
+# Long: `python experiments/results.py --list` gives each job's rough CPU minutes.
+SUBSET ?= all
+results: $(VENV)/.installed
+	$(PY) experiments/results.py $(SUBSET) --render
 
 clean:
 	rm -rf $(VENV) experiments/outputs experiments/wandb .pytest_cache

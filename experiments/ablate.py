@@ -41,6 +41,7 @@ import gemini_jax as gj
 from gemini_jax import tiny
 from gemini_jax.config import EngineConfig, SamplingParams
 from gemini_jax.data import corpus, tasks
+from gemini_jax.eval.record import provenance
 from gemini_jax.eval.trials import Draw
 from gemini_jax.hydra_schema import build, register
 from run import load_model  # the main job's model loading and labelling (this script's directory is on sys.path)
@@ -286,7 +287,11 @@ def main(cfg: DictConfig) -> dict:
         "stall_ms_per_token": d["stall_ms_per_token"],
         "needle_accuracy": res["needle"]["accuracy"], "bits_per_byte": res["bits_per_byte"]["bits_per_byte"],
     }
+    overrides = list(HydraConfig.get().overrides.task)
     record = {
+        # ablations choose knobs: their trials are dev trials (gemini_jax.eval.trials)
+        **provenance(command=" ".join(["python experiments/ablate.py", *overrides]),
+                     config=OmegaConf.to_container(cfg.experiment, resolve=True), split="dev", seeds=[int(cfg.seed)]),
         "sweep": sweep, "prefetch": prefetch,
         "model": {"description": desc, "trained": trained, "family": model.cfg.family,
                   "num_params": model.cfg.num_params()},

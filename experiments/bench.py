@@ -29,6 +29,8 @@ import sys
 import time
 import traceback
 
+from gemini_jax.eval.record import git_commit
+
 # benchlib sits beside this script, whose directory Python puts on sys.path.
 from benchlib.machine import describe_machine, measure_bandwidth
 from benchlib.registry import ROWS, Context
@@ -132,7 +134,8 @@ def main(argv=None) -> int:
         f.write("\n".join(md) + "\n")
     with open(os.path.join(args.out, "bench.json"), "w") as f:
         json.dump({"mode": "quick" if args.quick else "full", "started_utc": started.isoformat(),
-                   "seconds": total, "command": cmd.strip(), "machine": machine, "bandwidth": bw,
+                   "seconds": total, "command": cmd.strip(), "commit": git_commit(), "split": None,
+                   "seeds": [args.seed], "machine": machine, "bandwidth": bw,
                    "rows": {n: {"about": ROWS[n].about, **results[n]} for n in args.rows}},
                   f, indent=1, default=float)
     print(f"bench: wrote {args.out}/BENCH.md and bench.json in {total:.0f} s"

@@ -11,7 +11,7 @@ import sys
 
 from test_ablate import ROOT
 
-RESULTS = os.path.join(ROOT, "experiments", "results")
+RESULTS = os.path.join(ROOT, "experiments", "results", "legacy")  # measured before records carried commits
 
 
 def _tables(md: str) -> list[str]:

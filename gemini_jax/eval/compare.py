@@ -1,7 +1,9 @@
 """Sparse vs dense on the shipped model: needle accuracy and bits per byte per context length,
 from the committed result files of `experiments/run.py experiment=needle|perplexity`.
 
-    python experiments/report.py --sparse-vs-dense   # writes experiments/results/reports/sparse_vs_dense.md
+    python experiments/report.py --sparse-vs-dense --results-dir experiments/results/legacy
+        # writes experiments/results/legacy/reports/sparse_vs_dense.md (files from before records
+        # carried their commit; experiments/results/legacy/README.md)
 
 Every figure is read from a JSON under the results directory (`needle/`, `perplexity/`; each file
 records its own command and engine config); nothing is recomputed here. A missing file leaves its

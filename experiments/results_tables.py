@@ -1,0 +1,174 @@
+"""The README's generated results tables, and the checks every committed result file must pass.
+
+A README block is the text between `<!-- results:NAME -->` and `<!-- /results:NAME -->`; it is
+rendered here from the record files under experiments/results/ and nothing else, so
+`python experiments/results.py --render` rewrites it and tests/test_results_files.py fails when
+the README and the files disagree. A record that a subset has not produced yet renders as
+"not run yet" with the command that makes it, never as a number.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+from gemini_jax.eval.intervals import wilson
+
+REQUIRED = ("command", "config", "commit", "split", "seeds")  # DESIGN.md: every committed result records these
+LEGACY = "legacy"  # experiments/results/legacy/: files from before records carried them (its README lists each)
+NEEDLE_GOAL = 0.95  # needle exact match at 8K and 32K with compact positions (the shipped presets' goal)
+COMMIT = re.compile(r"^[0-9a-f]{40}$")
+
+
+# ---- checks ---------------------------------------------------------------------------------
+def record_problems(record) -> list[str]:
+    """What a committed result record lacks: the required keys, a clean 40-hex commit (a figure from
+    uncommitted code cannot be regenerated), a dev / test split with its seeds when trials were drawn."""
+    if not isinstance(record, dict):
+        return [f"is a {type(record).__name__}, not a record (a JSON object)"]
+    out = [f"lacks '{k}'" for k in REQUIRED if k not in record]
+    if not out:
+        if not isinstance(record["command"], str) or not record["command"].strip():
+            out.append("has an empty command")
+        if not isinstance(record["commit"], str) or not COMMIT.match(record["commit"]):
+            out.append(f"commit {record['commit']!r} is not a clean 40-hex commit (uncommitted code, or none)")
+        if record["split"] not in (None, "dev", "test"):
+            out.append(f"split {record['split']!r} is not dev, test or null")
+        if record["split"] is not None and not (isinstance(record["seeds"], list) and record["seeds"]):
+            out.append(f"split {record['split']} drew trials but seeds is {record['seeds']!r}")
+    return out
+
+
+def result_files(results_dir: str) -> tuple[list[str], list[str]]:
+    """(current JSON records, legacy files) under results_dir, as paths relative to it."""
+    current, legacy = [], []
+    for dirpath, _, files in os.walk(results_dir):
+        for f in files:
+            rel = os.path.relpath(os.path.join(dirpath, f), results_dir)
+            if rel.split(os.sep)[0] == LEGACY:
+                if f != "README.md" and f.endswith((".json", ".md")):
+                    legacy.append(rel)
+            elif f.endswith(".json"):
+                current.append(rel)
+    return sorted(current), sorted(legacy)
+
+
+# ---- rendering ------------------------------------------------------------------------------
+def _load(results_dir: str, record: str):
+    path = os.path.join(results_dir, record + ".json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as fh:
+        return json.load(fh)
+
+
+def _pct(hits: int, n: int) -> str:
+    lo, hi = wilson(hits, n)
+    return f"{100 * hits / n:.1f}% [{100 * lo:.1f}, {100 * hi:.1f}] ({hits}/{n})"
+
+
+def _link(record: str) -> str:
+    return f"[{record.split('/')[-1]}](experiments/results/{record}.md)"
+
+
+def _missing(subset: str) -> str:
+    return f"not run yet (`make results SUBSET={subset}`)"
+
+
+def _commits(recs) -> str:
+    seen = sorted({r["commit"][:7] for r in recs if r is not None})
+    return ", ".join(f"`{c}`" for c in seen) if seen else "—"
+
+
+def needle_block(results_dir: str) -> str:
+    rows = ["| preset | context | test trials: exact match [95% Wilson] | dev trials (knobs chosen here) | "
+            "goal ≥ 95% (test estimate) | files |", "|---|---|---|---|---|---|"]
+    loaded = []
+    for preset, key in (("`sparse=extrapolate_rerank`", "rerank"), ("`sparse=extrapolate`", "extrapolate")):
+        for length, tag in ((8192, "8k"), (32768, "32k")):
+            test, dev = (_load(results_dir, f"needle/{key}_{tag}_{s}") for s in ("test", "dev"))
+            loaded += [test, dev]
+            cells = []
+            for rec in (test, dev):
+                bl = rec["by_length"][0] if rec else None
+                cells.append(_pct(bl["hits"], bl["trials"]) if bl else _missing("needle"))
+            met = "—"
+            if test:
+                bl = test["by_length"][0]
+                met = "✓" if bl["accuracy"] >= NEEDLE_GOAL else "✗"
+                if met == "✓" and bl["ci95"][0] < NEEDLE_GOAL:
+                    met += " (interval reaches below)"
+            files = " / ".join(_link(f"needle/{key}_{tag}_{s}") for s, r in (("test", test), ("dev", dev)) if r)
+            rows.append(f"| {preset} | {length // 1024}K | {cells[0]} | {cells[1]} | {met} | {files or '—'} |")
+    dense = _load(results_dir, "needle/dense_test")
+    loaded.append(dense)
+    if dense:
+        for bl in dense["by_length"]:
+            rows.append(f"| dense attention | {bl['length'] // 1024}K | {_pct(bl['hits'], bl['trials'])} | — "
+                        f"(no knob) | — | {_link('needle/dense_test')} |")
+    else:
+        rows.append(f"| dense attention | 1K–8K | {_missing('needle')} | — | — | — |")
+    return "\n".join(rows + ["", f"Commit(s) the files came from: {_commits(loaded)}."])
+
+
+def bpb_block(results_dir: str) -> str:
+    lengths = (2048, 4096, 8192, 16384, 32768)
+    rows = ["| preset | trials | " + " | ".join(f"{L // 1024}K" for L in lengths) + " | file |",
+            "|---|---|" + "---|" * len(lengths) + "---|"]
+    loaded = []
+    for preset, key in (("`sparse=extrapolate`", "extrapolate"), ("dense attention", "dense")):
+        for split in ("test", "dev"):
+            rec = _load(results_dir, f"perplexity/bpb_{key}_{split}")
+            loaded.append(rec)
+            if rec is None:
+                rows.append(f"| {preset} | {split} | " + " | ".join(["—"] * len(lengths)) + f" | {_missing('bpb')} |")
+                continue
+            by = {r["context"]: r for r in rec["records"]}
+            cells = [f"{by[L]['bits_per_byte']:.3f} [{by[L]['ci95'][0]:.3f}, {by[L]['ci95'][1]:.3f}]" if L in by
+                     else "—" for L in lengths]
+            w = rec["records"][0]
+            rows.append(f"| {preset} | {split} ({w['windows']} × {w['scored_per_window']} B) | " + " | ".join(cells)
+                        + f" | {_link(f'perplexity/bpb_{key}_{split}')} |")
+    uni = next((r["unigram_bits_per_byte"] for r in loaded if r), None)
+    tail = f"Unigram baseline: {uni:.3f} bits/byte. " if uni is not None else ""
+    return "\n".join(rows + ["", tail + f"Commit(s) the files came from: {_commits(loaded)}."])
+
+
+def make_run_block(results_dir: str) -> str:
+    rec = _load(results_dir, "fullstack/make_run")
+    if rec is None:
+        return _missing("fullstack")
+    rows = ["| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rec["table"].items()]
+    return "\n".join(rows + ["", f"From {_link('fullstack/make_run')}, commit `{rec['commit'][:7]}`, "
+                                 f"seed {rec['seeds'][0]}."])
+
+
+BLOCKS = {"needle": needle_block, "bpb": bpb_block, "make_run": make_run_block}
+
+
+def render(text: str, results_dir: str) -> tuple[str, int]:
+    """`text` with every known block re-rendered; (new text, number of blocks that changed).
+    Raises ValueError for a block name nothing renders, or a block opened and never closed."""
+    changed = 0
+    for name in re.findall(r"<!-- results:(\w+) -->", text):
+        if name not in BLOCKS:
+            raise ValueError(f"README block 'results:{name}' has no renderer; known: {sorted(BLOCKS)}")
+        pat = re.compile(rf"(<!-- results:{name} -->\n)(.*?)(<!-- /results:{name} -->)", re.S)
+        m = pat.search(text)
+        if m is None:
+            raise ValueError(f"README block 'results:{name}' is not closed by <!-- /results:{name} -->")
+        body = BLOCKS[name](results_dir) + "\n"
+        changed += m.group(2) != body
+        text = text[:m.start(2)] + body + text[m.end(2):]
+    return text, changed
+
+
+def render_readme(readme: str, results_dir: str) -> int:
+    with open(readme) as fh:
+        text = fh.read()
+    new, changed = render(text, results_dir)
+    if changed:
+        with open(readme, "w") as fh:
+            fh.write(new)
+    return changed

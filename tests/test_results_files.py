@@ -1,0 +1,100 @@
+"""Every committed result file can be trusted to say where it came from, and the README's results
+tables are exactly what those files render to (experiments/results_tables.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+
+import pytest
+
+from test_ablate import ROOT
+
+RESULTS = os.path.join(ROOT, "experiments", "results")
+
+
+def _tables():
+    spec = importlib.util.spec_from_file_location("results_tables", os.path.join(ROOT, "experiments",
+                                                                                 "results_tables.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+rt = _tables()
+
+
+def _git(*args) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+
+
+def test_every_current_result_file_records_command_config_commit_split_and_seeds():
+    current, _ = rt.result_files(RESULTS)
+    assert current, "no result records under experiments/results/"
+    bad = {}
+    for rel in current:
+        with open(os.path.join(RESULTS, rel)) as fh:
+            problems = rt.record_problems(json.load(fh))
+        if problems:
+            bad[rel] = problems
+    assert not bad, f"result files without provenance (move pre-record files to legacy/ with a note): {bad}"
+
+
+def test_result_commits_are_in_this_history():
+    if _git("rev-parse", "--is-inside-work-tree").returncode != 0:
+        pytest.skip("not a git checkout: commits cannot be looked up")
+    if _git("rev-parse", "--is-shallow-repository").stdout.strip() == "true":
+        pytest.skip("shallow clone: older commits are not here")
+    current, _ = rt.result_files(RESULTS)
+    for rel in current:
+        with open(os.path.join(RESULTS, rel)) as fh:
+            commit = json.load(fh)["commit"]
+        proc = _git("merge-base", "--is-ancestor", commit, "HEAD")
+        assert proc.returncode == 0, f"{rel}: commit {commit} is not an ancestor of HEAD ({proc.stderr.strip()})"
+
+
+def test_record_problems_name_each_planted_defect():
+    good = {"command": "python experiments/run.py", "config": {}, "commit": "a" * 40, "split": "test",
+            "seeds": [0], "records": []}
+    assert rt.record_problems(good) == []
+    planted = {"command": ({k: v for k, v in good.items() if k != "command"}, "lacks 'command'"),
+               "dirty": ({**good, "commit": "a" * 40 + "+dirty"}, "not a clean 40-hex commit"),
+               "none": ({**good, "commit": None}, "not a clean 40-hex commit"),
+               "seeds": ({**good, "seeds": None}, "drew trials but seeds"),
+               "split": ({**good, "split": "heldout"}, "is not dev, test or null"),
+               "list": ([good], "not a record")}
+    for name, (rec, want) in planted.items():
+        problems = rt.record_problems(rec)
+        assert any(want in p for p in problems), (name, problems)
+
+
+def test_legacy_files_are_each_listed_in_its_readme():
+    _, legacy = rt.result_files(RESULTS)
+    with open(os.path.join(RESULTS, rt.LEGACY, "README.md")) as fh:
+        listed = set(l.split("`")[1] for l in fh if l.startswith("| `"))
+    here = {os.path.relpath(p, rt.LEGACY) for p in legacy}
+    assert here == listed, {"unlisted": sorted(here - listed), "listed but absent": sorted(listed - here)}
+
+
+def test_readme_results_tables_are_what_the_files_render_to():
+    with open(os.path.join(ROOT, "README.md")) as fh:
+        text = fh.read()
+    assert text.count("<!-- results:") >= 3, "the README's generated blocks are gone"
+    rendered, changed = rt.render(text, RESULTS)
+    assert changed == 0, "README results tables differ from the files: run `python experiments/results.py --render`"
+
+
+def test_render_fills_a_stale_block_and_refuses_an_unknown_one(tmp_path):
+    (tmp_path / "needle").mkdir()
+    stale = "a\n<!-- results:needle -->\n| old | 99% |\n<!-- /results:needle -->\nb\n"
+    new, changed = rt.render(stale, str(tmp_path))
+    assert changed == 1 and "99%" not in new and "not run yet (`make results SUBSET=needle`)" in new
+    rec = {"by_length": [{"length": 8192, "hits": 190, "trials": 200, "accuracy": 0.95, "ci95": [0.91, 0.97]}],
+           "commit": "b" * 40}
+    (tmp_path / "needle" / "rerank_8k_test.json").write_text(json.dumps(rec))
+    new, _ = rt.render(stale, str(tmp_path))
+    assert "95.0% [91.0, 97.3] (190/200)" in new and "✓ (interval reaches below)" in new, new
+    with pytest.raises(ValueError, match="no renderer"):
+        rt.render("<!-- results:nope -->\n<!-- /results:nope -->\n", str(tmp_path))
