@@ -207,7 +207,9 @@ def run_fullstack(cfg, model, tok, desc):
     length = int(ex.length)
     answer_len = tasks.KEY_DIGITS + 1
     # The pool is sized for this prompt, so the device fraction is a fraction of this context's KV.
-    ecfg = gj.config.replace(build(EngineConfig, cfg.engine), max_seq_len=length + 64)
+    instr = tok.encode(str(ex.instruction))
+    # room for the answer, the interrupted tokens and the instruction after the resume
+    ecfg = gj.config.replace(build(EngineConfig, cfg.engine), max_seq_len=length + 64 + len(instr))
     ecfg, emulated = emulate_hardware(cfg, ecfg, model)
     if ecfg.tier.enabled:  # a prefill chunk's pages must fit the device slots beside the pins
         S = ecfg.cache.block_size
@@ -252,7 +254,6 @@ def run_fullstack(cfg, model, tok, desc):
             ecfg.tier.disk_path, name)))
 
     snap_dir = ex.snapshot_dir or tempfile.mkdtemp(prefix="gj_fullstack_")
-    instr = tok.encode(str(ex.instruction))
     eng2 = eng3 = None
     try:
         eng2 = gj.Engine(model, session_cfg("session"))
