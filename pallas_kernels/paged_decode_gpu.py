@@ -81,7 +81,7 @@ def attend_pages_step(carry, q, k_ref, v_ref, physical, logical, page_ok, *, len
     k = plgpu.load(k_ref.at[rows], mask=mask, other=0).reshape(n * block_s, block_d)
     v = plgpu.load(v_ref.at[rows], mask=mask, other=0).reshape(n * block_s, block_d)
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None  # f32: no TF32
-    s = pl.dot(q, k, trans_b=True, precision=precision) * sm_scale  # f32[Gp, n * Sp]
+    s = plgpu.dot(q, k, trans_b=True, precision=precision) * sm_scale  # f32[Gp, n * Sp]
     if soft_cap is not None:
         s = jnp.tanh(s / soft_cap) * soft_cap
     s = jnp.where(visible.reshape(1, n * block_s), s, -jnp.inf)
@@ -89,7 +89,7 @@ def attend_pages_step(carry, q, k_ref, v_ref, physical, logical, page_ok, *, len
     alpha = jnp.exp(m_prev - m_next)
     p = jnp.exp(s - m_next[:, None])
     l_next = alpha * l_prev + p.sum(axis=1)
-    acc_next = alpha[:, None] * acc_prev + pl.dot(p.astype(v.dtype), v, precision=precision)
+    acc_next = alpha[:, None] * acc_prev + plgpu.dot(p.astype(v.dtype), v, precision=precision)
     return m_next, l_next, acc_next
 
 
