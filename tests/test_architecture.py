@@ -143,6 +143,21 @@ def test_package_and_engine_need_no_hydra_or_wandb():
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
+def test_engine_runs_on_a_bare_jax_flax_stack():
+    """With tqdm and safetensors unimportable too (only jax's and flax's stack, as on the GPU
+    machine), the package, dispatch and an Engine over in-memory weights run."""
+    code = ("import gemini_jax as gj\n"
+            "from gemini_jax.attention import dispatch\n"
+            "from gemini_jax.testing import random_model, tiny_config\n"
+            "eng = gj.Engine(random_model(tiny_config('llama'), 0), gj.EngineConfig(max_seq_len=64, max_batch=1,\n"
+            "                                                                        prefill_chunk=32))\n"
+            "out = eng.generate([[1, 2, 3]], gj.SamplingParams(max_new_tokens=2, temperature=0.0))\n"
+            "assert len(out.tokens[0]) == 2, out.tokens\n"
+            "print('ok')\n")
+    out = _run_blocked(code, names=(*OPTIONAL, "tqdm", "safetensors", "tokenizers"))
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
 def test_blocking_optional_modules_takes_effect():
     """Control for the test above: with the same block, code that does need Hydra fails."""
     out = _run_blocked("from gemini_jax import hydra_schema\nhydra_schema.register()\n")
