@@ -72,12 +72,15 @@ def attend_pages_step(carry, q, k_ref, v_ref, physical, logical, page_ok, *, len
     block_s, block_d = next_pow2(page_size), q.shape[1]
     slot = lax.broadcasted_iota(jnp.int32, (n, block_s), 1)  # [n, Sp]
     pos = logical[:, None] * page_size + slot
-    visible = page_ok[:, None] & (slot < page_size) & (pos >= first_key) & (pos < length)
+    visible = page_ok[:, None] & (pos >= first_key) & (pos < length)
+    if block_s > page_size:  # padding slots of a page size that is not a power of two
+        visible &= slot < page_size
     d = lax.broadcasted_iota(jnp.int32, (1, 1, block_d), 2)
     # NOTE: masked keys load as 0, never read: the tail of a partial page may hold anything
     # (NaN included), and masking the scores alone would give 0 * NaN = NaN in p @ v.
     rows = (jnp.where(page_ok, physical, 0)[:, None, None], slot[:, :, None], d)
-    mask = visible[:, :, None] & (d < head_dim)
+    # A mask constant along head_dim (the usual power-of-two case) lets Triton vectorise loads.
+    mask = visible[:, :, None] if block_d == head_dim else visible[:, :, None] & (d < head_dim)
     k = plgpu.load(k_ref.at[rows], mask=mask, other=0).reshape(n * block_s, block_d)
     v = plgpu.load(v_ref.at[rows], mask=mask, other=0).reshape(n * block_s, block_d)
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None  # f32: no TF32
