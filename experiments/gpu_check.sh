@@ -1,36 +1,38 @@
 #!/usr/bin/env bash
-# GPU check: on a machine with an NVIDIA GPU, install the project with the `cuda12` extra, record
-# the device, probe the Pallas kernels on it, run the kernel tests and a quick benchmark, and
-# write every log and result into OUTDIR. Target: under 5 minutes (wheels cached or a fast link).
+# GPU check: on a machine with an NVIDIA GPU, record the device, measure the decode-attention
+# kernels (HBM copy bandwidth; achieved K/V bandwidth of the GPU Pallas paged and sparse kernels,
+# the engine's XLA path and jax's own GPU paged attention; goals marked met / not met), run the
+# GPU kernel tests compiled on the GPU, and a quick engine benchmark; every log and result goes
+# into OUTDIR. Prepared to run in one go of at most 8 minutes on an H200 with jax[cuda] installed
+# and no network (hydra / wandb are not needed).
 #
-#   experiments/gpu_check.sh [OUTDIR]     # default: experiments/results/gpu_check/<UTC time>
+#   experiments/gpu_check.sh [OUTDIR]            # default: experiments/results/gpu_check/<UTC time>
+#   experiments/gpu_check.sh --dry-run [OUTDIR]  # any host: every step at tiny shapes on CPU,
+#                                                # kernels in interpret mode (checks the script)
 #
 # Environment knobs:
-#   GPU_VENV=.venv-gpu       venv to create or reuse (created with --system-site-packages, so a
-#                            machine with jax[cuda] preinstalled works offline)
-#   PYTHON=python3           interpreter that creates the venv
+#   PYTHON=python3           interpreter; used as it is when it already imports jax and flax
+#                            (PYTHONPATH=repo root), else a venv is made and the project installed
+#   GPU_VENV=.venv-gpu       venv to create or reuse (--system-site-packages) in that case
 #   GPU_CHECK_SKIP_INSTALL=1 use the venv as it is (no pip), e.g. on a machine without network
-#   GPU_CHECK_BUDGET=290     seconds for the whole script; each step gets at most what is left
+#   GPU_CHECK_BUDGET=450     seconds for the whole script; each step gets at most what is left
+#   GPU_CHECK_DRY_RUN=1      same as --dry-run
 #   BENCH_ARGS="--quick"     arguments for experiments/bench.py (add --rows to pick rows)
-#   PROBE_SIZES=8x8192,16x32768  batch x context of the decode-attention bandwidth probe
 #
-# NOTE: the Pallas kernels in pallas_kernels/ compile only for TPU today (scalar prefetch). On a
-# GPU, `interpret=None` asks for compiled mode and gets NotImplementedError, so the kernel tests
-# are EXPECTED TO FAIL there until a GPU variant exists; the probe step records this, checks the
-# kernels in interpret mode on the GPU against their jnp references, and times the XLA reference
-# and jax's own (compiled) GPU paged-attention kernel for bandwidth. The engine's default
-# attention path (`attention_impl=xla`) runs compiled on the GPU and is what the benchmark times.
-# Results: OUTDIR/SUMMARY.md (one line per step), OUTDIR/<step>.log, OUTDIR/kernel_probe.json,
+# Results: OUTDIR/SUMMARY.md (one line per step, then the kernel report), OUTDIR/<step>.log,
+# OUTDIR/gpu_kernels.{json,md} (experiments/gpu_kernels.py), OUTDIR/kernel_tests.xml,
 # OUTDIR/bench/BENCH.md + bench.json.
 
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+DRY_RUN="${GPU_CHECK_DRY_RUN:-0}"
+if [[ "${1:-}" == --dry-run ]]; then DRY_RUN=1; shift; fi
 OUT="${1:-$ROOT/experiments/results/gpu_check/$(date -u +%Y-%m-%d_%H-%M-%S)}"
 mkdir -p "$OUT" && OUT="$(cd "$OUT" && pwd)"
 VENV="${GPU_VENV:-$ROOT/.venv-gpu}"
 PYTHON="${PYTHON:-python3}"
-BUDGET="${GPU_CHECK_BUDGET:-290}"
+BUDGET="${GPU_CHECK_BUDGET:-450}"
 BENCH_ARGS="${BENCH_ARGS:---quick}"
 START=$(date +%s)
 SUMMARY="$OUT/SUMMARY.md"
@@ -38,14 +40,15 @@ cd "$ROOT"
 
 exec > >(tee -a "$OUT/gpu_check.log") 2>&1
 echo "gpu_check: repo $ROOT ($(git rev-parse --short HEAD 2>/dev/null || echo 'no git'))"
-echo "gpu_check: writing to $OUT; budget ${BUDGET}s"
+echo "gpu_check: writing to $OUT; budget ${BUDGET}s$( ((DRY_RUN)) && echo '; DRY RUN (CPU, tiny shapes, interpret mode)')"
 {
   echo "# gpu_check $(date -u +%Y-%m-%dT%H:%M:%SZ)"
   echo
   echo "Repo commit: \`$(git rev-parse HEAD 2>/dev/null || echo unknown)\`$(git diff --quiet HEAD -- gemini_jax pallas_kernels 2>/dev/null || echo ' (uncommitted changes)')."
-  echo "Pallas kernels compile only for TPU today: on GPU the kernel tests are expected to fail with"
-  echo "NotImplementedError (compiled mode requested); see kernel_probe.json for interpret-mode checks."
-  echo
+  if ((DRY_RUN)); then
+    echo "**DRY RUN**: CPU, tiny shapes, kernels in interpret mode; it checks the script, not the GPU."
+    echo
+  fi
   echo "| step | exit code | seconds | log |"
   echo "| --- | --- | --- | --- |"
 } > "$SUMMARY"
@@ -74,32 +77,40 @@ step() {
 }
 
 # ---- 1. the GPU ----------------------------------------------------------------------------
-if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1; then
+if ((DRY_RUN)); then
+  echo "gpu_check: dry run, no GPU needed" | tee "$OUT/nvidia-smi.txt"
+elif ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1; then
   echo "gpu_check: no NVIDIA GPU here (nvidia-smi missing or failing); this script is for GPU machines."
   echo "| nvidia-smi | no GPU | 0 | [nvidia-smi.txt](nvidia-smi.txt) |" >> "$SUMMARY"
   exit 2
 fi
 cat "$OUT/nvidia-smi.txt"
-nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.max,pcie.link.width.max \
+((DRY_RUN)) || nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.max,pcie.link.width.max \
   --format=csv > "$OUT/gpu.csv" 2>&1 || true
 
-# ---- 2. venv + install ----------------------------------------------------------------------
-if [[ ! -x "$VENV/bin/python" ]]; then
-  step venv 60 "$PYTHON" -m venv --system-site-packages "$VENV"
-fi
-PY="$VENV/bin/python"
-if [[ "${GPU_CHECK_SKIP_INSTALL:-0}" != 1 ]]; then
-  if command -v uv >/dev/null 2>&1; then
-    step install 180 uv pip install --python "$PY" -e ".[cuda12]" "pytest>=8" "hypothesis>=6.100"
-  else
-    step install 180 "$PY" -m pip install -q --disable-pip-version-check -e ".[cuda12]" "pytest>=8" "hypothesis>=6.100"
+# ---- 2. python: as it is when it has jax + flax (offline machines), else a venv + install ------
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+if "$PYTHON" -c "import jax, flax, numpy" >/dev/null 2>&1; then
+  PY="$PYTHON"
+  echo "gpu_check: using $PY as it is ($("$PY" -c 'import jax; print("jax", jax.__version__)'))"
+else
+  if [[ ! -x "$VENV/bin/python" ]]; then
+    step venv 60 "$PYTHON" -m venv --system-site-packages "$VENV"
   fi
-  # Offline or failed: fall back to the package alone over whatever jax the environment has.
-  if ! "$PY" -c "import gemini_jax" >/dev/null 2>&1; then
-    step install_no_deps 60 "$PY" -m pip install -q --no-deps --no-build-isolation -e .
+  PY="$VENV/bin/python"
+  if [[ "${GPU_CHECK_SKIP_INSTALL:-0}" != 1 ]]; then
+    if command -v uv >/dev/null 2>&1; then
+      step install 180 uv pip install --python "$PY" -e ".[cuda12]" "pytest>=8" "hypothesis>=6.100"
+    else
+      step install 180 "$PY" -m pip install -q --disable-pip-version-check -e ".[cuda12]" "pytest>=8" "hypothesis>=6.100"
+    fi
   fi
 fi
-export JAX_PLATFORMS=cuda  # tests/conftest.py defaults to cpu; the point here is the GPU
+if ((DRY_RUN)); then
+  export JAX_PLATFORMS=cpu
+else
+  export JAX_PLATFORMS=cuda  # tests/conftest.py defaults to cpu; the point here is the GPU
+fi
 export WANDB_MODE=offline
 
 # ---- 3. device ------------------------------------------------------------------------------
@@ -111,125 +122,22 @@ for d in jax.devices():
     print(" ", d, "|", getattr(d, "device_kind", "?"))
 '
 
-# ---- 4. kernel probe: compiled vs interpret on this backend, bandwidth of decode attention ----
-cat > "$OUT/kernel_probe.py" <<'PROBE'
-"""Written by experiments/gpu_check.sh. Kernels on this backend: does compiled mode run, do
-interpret-mode results match the jnp references, and how fast is paged decode attention
-(our XLA reference vs jax's own compiled GPU Pallas kernel), as bytes of KV read per second."""
-import json, os, sys, time, traceback
+# ---- 4. kernels: HBM bandwidth, achieved K/V bandwidth, XLA and jax's kernel, goals ----------
+if ((DRY_RUN)); then
+  step gpu_kernels 150 "$PY" experiments/gpu_kernels.py "$OUT" --dry-run
+else
+  step gpu_kernels 240 "$PY" experiments/gpu_kernels.py "$OUT"
+fi
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-
-from pallas_kernels.paged_decode import paged_decode_attention, paged_decode_attention_reference
-from pallas_kernels.sparse_decode import sparse_decode_attention, sparse_decode_attention_reference
-
-out = {"backend": jax.default_backend(), "devices": [f"{d} ({getattr(d, 'device_kind', '?')})" for d in jax.devices()],
-       "jax": jax.__version__}
-
-
-def case(B, Hq, Hkv, D, S, ctx, dtype, seed=0):
-    rng = np.random.default_rng(seed)
-    W = -(-ctx // S)
-    P = B * W + 1
-    k = jax.random.split(jax.random.key(seed), 3)
-    q = jax.random.normal(k[0], (B, Hq, D), jnp.float32).astype(dtype)
-    kp = jax.random.normal(k[1], (Hkv, P, S, D), jnp.float32).astype(dtype)
-    vp = jax.random.normal(k[2], (Hkv, P, S, D), jnp.float32).astype(dtype)
-    tables = (1 + rng.permutation(P - 1)[: B * W]).reshape(B, W).astype(np.int32)
-    lengths = rng.integers(ctx // 2, ctx + 1, size=B).astype(np.int32)
-    return q, kp, vp, jnp.asarray(tables), jnp.asarray(lengths)
-
-
-def timed(fn, *args, repeats=20):
-    jax.block_until_ready(fn(*args))  # compile
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts))
-
-
-def attempt(name, fn):
-    t0 = time.perf_counter()
-    try:
-        out[name] = {"ok": True, **fn(), "seconds": time.perf_counter() - t0}
-    except Exception as e:  # record and go on: the point is to learn what works here
-        out[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:600], "seconds": time.perf_counter() - t0}
-        traceback.print_exc()
-    print(name, json.dumps(out[name])[:400], flush=True)
-
-
-small = case(2, 8, 2, 128, 16, 256, jnp.float32, seed=1)
-scale = 128 ** -0.5
-
-
-def compiled_ours():
-    jax.block_until_ready(paged_decode_attention(*small, sm_scale=scale, interpret=None))
-    mode = "interpret (the default on CPU)" if jax.default_backend() == "cpu" else "compiled"
-    return {"note": f"interpret=None ran in {mode} mode"}
-
-
-def interpret_paged():
-    got = paged_decode_attention(*small, sm_scale=scale, interpret=True)
-    ref = paged_decode_attention_reference(*small, sm_scale=scale)
-    return {"max_abs_err_vs_reference": float(jnp.max(jnp.abs(got - ref)))}
-
-
-def interpret_sparse():
-    q, kp, vp, tables, lengths = small
-    W = tables.shape[1]
-    sel = np.sort(np.random.default_rng(2).permutation(W)[:6])  # 6 of 16 pages, same for all (b, h)
-    sel = jnp.asarray(np.broadcast_to(sel, (q.shape[0], kp.shape[0], 6)).astype(np.int32))
-    got = sparse_decode_attention(q, kp, vp, tables, lengths, sel, sm_scale=scale, interpret=True)
-    ref = sparse_decode_attention_reference(q, kp, vp, tables, lengths, sel, sm_scale=scale)
-    return {"max_abs_err_vs_reference": float(jnp.max(jnp.abs(got - ref)))}
-
-
-def bandwidth():
-    from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
-
-    rows = []
-    sizes = os.environ.get("PROBE_SIZES", "8x8192,16x32768")  # batch x context tokens
-    for B, ctx in (tuple(map(int, s.split("x"))) for s in sizes.split(",")):
-        c = case(B, 32, 8, 128, 16, ctx, jnp.bfloat16, seed=3)
-        q, kp, vp, tables, lengths = c
-        kv_bytes = int(np.sum(np.asarray(lengths))) * kp.shape[0] * kp.shape[3] * 2 * kp.dtype.itemsize
-        row = {"batch": B, "context": ctx, "kv_bytes": kv_bytes}
-        ref = jax.jit(lambda *a: paged_decode_attention_reference(*a, sm_scale=scale))
-        row["xla_reference_s"] = timed(ref, *c)
-        try:
-            # jax's GPU kernel (Triton, compiled) takes no scale: pre-scale q.
-            jp = jax.jit(lambda q, *a: jax_paged.paged_attention(q * jnp.asarray(scale, q.dtype), *a))
-            row["jax_gpu_pallas_s"] = timed(jp, *c)
-            row["jax_gpu_pallas_max_abs_err"] = float(jnp.max(jnp.abs(jp(*c).astype(jnp.float32)
-                                                                     - ref(*c).astype(jnp.float32))))
-        except Exception as e:
-            row["jax_gpu_pallas_error"] = f"{type(e).__name__}: {e}"[:400]
-        for k in ("xla_reference_s", "jax_gpu_pallas_s"):
-            if k in row:
-                row[k.replace("_s", "_gbs")] = kv_bytes / row[k] / 1e9
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-    return {"rows": rows, "note": "GB/s = valid KV bytes read / median time (bf16); compare with the "
-                                  "device's nominal HBM bandwidth (conf/hardware/*.yaml)"}
-
-
-attempt("ours_compiled_default", compiled_ours)
-attempt("ours_paged_interpret_vs_reference", interpret_paged)
-attempt("ours_sparse_interpret_vs_reference", interpret_sparse)
-attempt("decode_attention_bandwidth", bandwidth)
-with open(sys.argv[1], "w") as fh:
-    json.dump(out, fh, indent=1)
-print("wrote", sys.argv[1])
-PROBE
-step kernel_probe 120 "$PY" "$OUT/kernel_probe.py" "$OUT/kernel_probe.json"
-
-# ---- 5. kernel tests on the GPU backend (expected to fail today: TPU-only compiled mode) ------
-step kernel_tests 120 "$PY" -m pytest -q -p no:cacheprovider --junitxml="$OUT/kernel_tests.xml" \
-  tests/test_paged_decode_kernel.py tests/test_sparse_decode_kernel.py
+# ---- 5. GPU kernel tests: compiled on the GPU against the jnp references, and CUDA lowering -----
+# (tests/test_{paged,sparse}_decode_kernel.py test the TPU kernels, in interpret mode on CPU: CI.)
+KERNEL_TESTS=(tests/test_decode_kernels_gpu.py tests/test_kernel_lowering.py)
+((DRY_RUN)) && KERNEL_TESTS=(tests/test_kernel_lowering.py "tests/test_decode_kernels_gpu.py::test_empty_sequences_return_zeros")
+if "$PY" -c "import pytest" >/dev/null 2>&1; then
+  step kernel_tests 120 "$PY" -m pytest -q -p no:cacheprovider --junitxml="$OUT/kernel_tests.xml" "${KERNEL_TESTS[@]}"
+else
+  echo "| kernel_tests | skipped (no pytest) | 0 | |" >> "$SUMMARY"
+fi
 
 # ---- 6. benchmark ---------------------------------------------------------------------------
 BENCH_ROWS=()
@@ -237,6 +145,7 @@ if ! "$PY" -c "import torch, transformers" >/dev/null 2>&1 && [[ "$BENCH_ARGS" !
   # dense_vs_hf needs torch + transformers (the hf extra, multi-GB): skip it rather than install.
   BENCH_ROWS=(--rows "$("$PY" experiments/bench.py --list-rows | grep -vx dense_vs_hf | paste -sd, -)")
 fi
+((DRY_RUN)) && BENCH_ROWS=(--rows kv_bytes)
 # shellcheck disable=SC2086  # BENCH_ARGS is a list of words on purpose
 step bench 150 "$PY" experiments/bench.py $BENCH_ARGS ${BENCH_ROWS[@]+"${BENCH_ROWS[@]}"} --out "$OUT/bench"
 
@@ -244,11 +153,9 @@ step bench 150 "$PY" experiments/bench.py $BENCH_ARGS ${BENCH_ROWS[@]+"${BENCH_R
 {
   echo
   echo "Total: $(( $(date +%s) - START )) s. Device: $(tail -n +2 "$OUT/gpu.csv" 2>/dev/null | head -1)."
-  if [[ -f "$OUT/kernel_probe.json" ]]; then
+  if [[ -f "$OUT/gpu_kernels.md" ]]; then
     echo
-    echo '```json'
-    cat "$OUT/kernel_probe.json"
-    echo '```'
+    cat "$OUT/gpu_kernels.md"
   fi
 } >> "$SUMMARY"
 echo "gpu_check: done in $(( $(date +%s) - START ))s; results in $OUT (SUMMARY.md)"

@@ -409,12 +409,16 @@ class EngineConfig:
 
     attention_impl "xla" is the portable path (fast on CPU); "pallas" runs decode attention
     through the Pallas kernels (compiled on GPU/TPU, interpret mode on CPU: slow, for tests).
+    kernel_platform picks the kernels' variant: None follows the backend (Triton kernels on a
+    GPU, the TPU kernels on TPU and, in interpret mode, on CPU); "gpu" / "tpu" force one (e.g.
+    "gpu" on CPU checks the GPU kernels in interpret mode).
     """
 
     max_seq_len: int = 4096
     max_batch: int = 8
     prefill_chunk: int = 512
     attention_impl: str = "xla"
+    kernel_platform: Optional[str] = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     sparse: SparseConfig = field(default_factory=SparseConfig)
     tier: TierConfig = field(default_factory=TierConfig)
@@ -433,6 +437,8 @@ class EngineConfig:
                  f"prefill_chunk={self.prefill_chunk!r} must be a positive integer.")
         _require(self.attention_impl in ("xla", "pallas"),
                  f"attention_impl={self.attention_impl!r} must be 'xla' or 'pallas'.")
+        _require(self.kernel_platform in (None, "tpu", "gpu"),
+                 f"kernel_platform={self.kernel_platform!r} must be None (the backend's), 'tpu' or 'gpu'.")
         c = self.cache
         if c.kind == "paged" and c.num_pages is not None:
             need = -(-self.max_seq_len // c.block_size) + 1

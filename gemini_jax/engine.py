@@ -71,7 +71,8 @@ class Engine:
         if c.kind == "paged":
             self.kv = KVCacheManager(self.config.num_pages, c.block_size, prefix_caching=c.prefix_caching)
             # Built for its config checks too (compact positions refuse a second rope).
-            backend = paged_backend(model.cfg, self.config.attention_impl, self.config.sparse)
+            backend = paged_backend(model.cfg, self.config.attention_impl, self.config.sparse,
+                                    kernel_platform=self.config.kernel_platform)
             store_cls = TieredStore if self.config.tier.enabled else PooledStore
             self.store = store_cls(model.cfg, self.config, self.cache_dtype, mesh)
         else:

@@ -21,8 +21,8 @@ How the kernel walks the pool:
 Backends: interpret mode (the default on CPU) runs everywhere; tests run it, and TPU interpret
 mode (`interpret=pltpu.InterpretParams(...)`) checks that no out-of-bounds page is read.
 Compiled, scalar prefetch exists only on TPU (that path has not been run on a TPU yet). GPU
-(Triton / Mosaic GPU) has no scalar prefetch and is refused with a clear error; there use
-`interpret=True` or `paged_decode_attention_reference` until a GPU variant exists.
+(Triton) has no scalar prefetch: `platform="gpu"` (the default on a GPU backend) runs the
+variant in `paged_decode_gpu` instead, with the same semantics.
 """
 
 from __future__ import annotations
@@ -36,16 +36,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-
-def _visible_pages(length, *, page_size: int, pages_per_seq: int, sliding_window: int | None):
-    """(first visible key, first visible logical page, last used logical page) of one sequence.
-
-    The query at `length - 1` sees keys `max(length - W, 0) <= k < length`. `last_page` is -1
-    for an empty sequence. Shared by the index maps and the kernel body so they always agree.
-    """
-    first_key = 0 if sliding_window is None else jnp.maximum(length - sliding_window, 0)
-    last_page = jnp.minimum(pl.cdiv(length, page_size), pages_per_seq) - 1
-    return first_key, first_key // page_size, last_page
+from pallas_kernels.decode_common import check_inputs, kernel_platform, visible_pages
+from pallas_kernels.paged_decode_gpu import paged_decode_attention_gpu
 
 
 def _page_index_map(b, h, i, lengths_ref, block_tables_ref, *, offset, page_size,
@@ -53,7 +45,7 @@ def _page_index_map(b, h, i, lengths_ref, block_tables_ref, *, offset, page_size
     """Block index of the `offset`-th page of step (b, h, i): the physical page of that logical
     page, clamped into the visible span so that no step touches a page outside it."""
     pages_per_seq = block_tables_ref.shape[1]
-    _, first_page, last_page = _visible_pages(
+    _, first_page, last_page = visible_pages(
         lengths_ref[b], page_size=page_size, pages_per_seq=pages_per_seq,
         sliding_window=sliding_window)
     logical = jnp.clip(i * pages_per_compute_block + offset, first_page, jnp.maximum(last_page, 0))
@@ -79,7 +71,7 @@ def _paged_decode_kernel(
     b, i = pl.program_id(0), pl.program_id(2)
     page_size = k_refs[0].shape[0]
     length = lengths_ref[b]
-    first_key, first_page, last_page = _visible_pages(
+    first_key, first_page, last_page = visible_pages(
         length, page_size=page_size, pages_per_seq=block_tables_ref.shape[1],
         sliding_window=sliding_window)
 
@@ -131,58 +123,10 @@ def _paged_decode_kernel(
         o_ref[...] = (acc_ref[...] / jnp.where(l == 0, 1.0, l)).astype(o_ref.dtype)
 
 
-def _check_inputs(q, k_pages, v_pages, block_tables, lengths, *, sm_scale, soft_cap,
-                  sliding_window):
-    """Static checks shared by the kernel and the reference; raises ValueError naming the field."""
-    if q.ndim != 3:
-        raise ValueError(f"{q.shape=} must be 3-D [batch, num_q_heads, head_dim].")
-    if k_pages.ndim != 4:
-        raise ValueError(
-            f"{k_pages.shape=} must be 4-D [num_kv_heads, num_pages, page_size, head_dim].")
-    if v_pages.shape != k_pages.shape:
-        raise ValueError(f"{v_pages.shape=} must equal {k_pages.shape=}.")
-    if block_tables.ndim != 2:
-        raise ValueError(f"{block_tables.shape=} must be 2-D [batch, pages_per_seq].")
-    if lengths.ndim != 1:
-        raise ValueError(f"{lengths.shape=} must be 1-D [batch].")
-    if not jnp.issubdtype(q.dtype, jnp.floating):
-        raise ValueError(f"{q.dtype=} must be a floating dtype.")
-    if k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
-        raise ValueError(f"{k_pages.dtype=} and {v_pages.dtype=} must equal {q.dtype=}.")
-    if block_tables.dtype != jnp.int32:
-        raise ValueError(f"{block_tables.dtype=} must be int32.")
-    if lengths.dtype != jnp.int32:
-        raise ValueError(f"{lengths.dtype=} must be int32.")
-    batch, num_q_heads, head_dim = q.shape
-    num_kv_heads, num_pages, page_size, head_dim_kv = k_pages.shape
-    if min(num_kv_heads, num_pages, page_size, head_dim_kv) < 1:
-        raise ValueError(f"{k_pages.shape=} must have no empty dimension.")
-    if head_dim_kv != head_dim:
-        raise ValueError(f"{k_pages.shape=} head_dim must equal {q.shape=} head_dim.")
-    if num_q_heads % num_kv_heads:
-        raise ValueError(
-            f"{num_q_heads=} must be a multiple of {num_kv_heads=} (grouped-query attention).")
-    if block_tables.shape[0] != batch or lengths.shape[0] != batch:
-        raise ValueError(f"{block_tables.shape=} and {lengths.shape=} must lead with {batch=}.")
-    pages_per_seq = block_tables.shape[1]
-    if pages_per_seq < 1:
-        raise ValueError(f"{pages_per_seq=} must be >= 1.")
-    if pages_per_seq * page_size >= 2**31:
-        raise ValueError(
-            f"{pages_per_seq=} * {page_size=} must fit in int32 (token positions are int32).")
-    if not isinstance(sm_scale, numbers.Real) or not sm_scale > 0:
-        raise ValueError(f"{sm_scale=} must be a positive Python number (it is static).")
-    if soft_cap is not None and not (isinstance(soft_cap, numbers.Real) and soft_cap > 0):
-        raise ValueError(f"{soft_cap=} must be None or a positive Python number.")
-    if sliding_window is not None and not (
-            isinstance(sliding_window, numbers.Integral) and sliding_window >= 1):
-        raise ValueError(f"{sliding_window=} must be None or an int >= 1.")
-
-
 @functools.partial(
     jax.jit,
     static_argnames=["sm_scale", "soft_cap", "sliding_window", "pages_per_compute_block",
-                     "interpret"],
+                     "interpret", "platform"],
 )
 def paged_decode_attention(
     q: jax.Array,  # [B, Hq, D]
@@ -194,8 +138,9 @@ def paged_decode_attention(
     sm_scale: float,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
-    pages_per_compute_block: int = 1,
+    pages_per_compute_block: int | None = None,
     interpret: bool | pltpu.InterpretParams | None = None,
+    platform: str | None = None,
 ) -> jax.Array:  # [B, Hq, D], q.dtype
     """Decode attention of one query token per sequence over its pages of the KV pool.
 
@@ -214,30 +159,43 @@ def paged_decode_attention(
       sm_scale: static score scale, e.g. head_dim ** -0.5.
       soft_cap: static logit soft cap, or None.
       sliding_window: static window W >= 1, or None for full attention.
-      pages_per_compute_block: pages handled per grid step (fewer, fatter steps), in
-        [1, pages_per_seq].
+      pages_per_compute_block: TPU: pages handled per grid step (fewer, fatter steps), in
+        [1, pages_per_seq], None: 1. GPU: pages gathered per loop step, a power of two, None:
+        ~128 keys (`paged_decode_gpu` has the GPU kernel's other knobs).
       interpret: None picks interpret mode on CPU and compiled elsewhere; True / False force it;
         a `pltpu.InterpretParams` runs TPU interpret mode (e.g. to raise on out-of-bounds reads).
+      platform: which kernel runs: "tpu" (scalar prefetch), "gpu" (Triton,
+        `paged_decode_gpu`; it lowers for CUDA from any host and runs anywhere with interpret
+        mode), or None: the running backend's (gpu -> "gpu", tpu -> "tpu", cpu -> the TPU kernel
+        in interpret mode).
 
     Raises:
       ValueError: inconsistent ranks, shapes or dtypes, or an invalid knob.
-      NotImplementedError: compiled on a backend other than TPU (scalar prefetch is TPU-only).
+      NotImplementedError: the TPU kernel compiled on a backend other than TPU (scalar
+        prefetch is TPU-only).
     """
-    _check_inputs(q, k_pages, v_pages, block_tables, lengths, sm_scale=sm_scale,
-                  soft_cap=soft_cap, sliding_window=sliding_window)
+    if kernel_platform(platform) == "gpu":
+        if isinstance(interpret, pltpu.InterpretParams):
+            raise ValueError(f"{interpret=} is TPU interpret mode; the GPU kernel takes a bool.")
+        return paged_decode_attention_gpu(
+            q, k_pages, v_pages, block_tables, lengths, sm_scale=sm_scale, soft_cap=soft_cap,
+            sliding_window=sliding_window, pages_per_step=pages_per_compute_block,
+            interpret=interpret)
+    check_inputs(q, k_pages, v_pages, block_tables, lengths, sm_scale=sm_scale,
+                 soft_cap=soft_cap, sliding_window=sliding_window)
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
     pages_per_seq = block_tables.shape[1]
-    n = pages_per_compute_block
+    n = 1 if pages_per_compute_block is None else pages_per_compute_block
     if not (isinstance(n, numbers.Integral) and 1 <= n <= pages_per_seq):
         raise ValueError(f"{pages_per_compute_block=} must be an int in [1, {pages_per_seq=}].")
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     if not interpret and jax.default_backend() != "tpu":
         raise NotImplementedError(
-            f"paged_decode_attention compiles only on TPU (scalar prefetch); the backend is "
-            f"{jax.default_backend()!r}. Pass interpret=True, or use "
-            f"paged_decode_attention_reference.")
+            f"paged_decode_attention's TPU kernel compiles only on TPU (scalar prefetch); the "
+            f"backend is {jax.default_backend()!r}. Pass interpret=True, platform='gpu' for the "
+            f"GPU kernel, or use paged_decode_attention_reference.")
 
     group = num_q_heads // num_kv_heads
     q_grouped = q.reshape(batch, num_kv_heads, group, head_dim)
@@ -288,8 +246,8 @@ def paged_decode_attention_reference(
 
     Same semantics and errors (ValueError); a sequence of length 0 returns zeros.
     """
-    _check_inputs(q, k_pages, v_pages, block_tables, lengths, sm_scale=sm_scale,
-                  soft_cap=soft_cap, sliding_window=sliding_window)
+    check_inputs(q, k_pages, v_pages, block_tables, lengths, sm_scale=sm_scale,
+                 soft_cap=soft_cap, sliding_window=sliding_window)
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
     num_keys = block_tables.shape[1] * page_size

@@ -26,8 +26,9 @@ How the kernel walks the pool:
 - online softmax in float32 (running max, running sum, accumulator in scratch), written out at
   the last slot.
 
-Backends: as for `paged_decode` (interpret mode on CPU; compiled only on TPU, where this path has
-not been run yet; GPU refused with a clear error).
+Backends: as for `paged_decode` (interpret mode on CPU; compiled on TPU, where this path has not
+been run yet; on a GPU backend, or with `platform="gpu"`, the Triton variant in
+`sparse_decode_gpu`).
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.paged_decode import _check_inputs, _visible_pages
+from pallas_kernels.decode_common import (check_sparse_inputs, kernel_platform, pack_selection,
+                                          visible_pages, visible_selection)
+from pallas_kernels.sparse_decode_gpu import sparse_decode_attention_gpu
 
 
 def _slot_index_map(b, h, j, lengths_ref, block_tables_ref, packed_ref, counts_ref, *,
@@ -80,7 +83,7 @@ def _sparse_decode_kernel(
     row = b * pl.num_programs(1) + h
     page_size = k_ref.shape[0]
     length = lengths_ref[b]
-    first_key, _, _ = _visible_pages(length, page_size=page_size,
+    first_key, _, _ = visible_pages(length, page_size=page_size,
                                      pages_per_seq=block_tables_ref.shape[1],
                                      sliding_window=sliding_window)
 
@@ -121,35 +124,8 @@ def _sparse_decode_kernel(
         o_ref[...] = (acc_ref[...] / jnp.where(l == 0, 1.0, l)).astype(o_ref.dtype)
 
 
-def _check_sparse_inputs(q, k_pages, v_pages, block_tables, lengths, selected, *, sm_scale,
-                         soft_cap, sliding_window):
-    """`paged_decode`'s checks plus the selection's; raises ValueError naming the field."""
-    _check_inputs(q, k_pages, v_pages, block_tables, lengths, sm_scale=sm_scale,
-                  soft_cap=soft_cap, sliding_window=sliding_window)
-    if selected.ndim != 3:
-        raise ValueError(f"{selected.shape=} must be 3-D [batch, num_kv_heads, num_slots].")
-    if selected.dtype != jnp.int32:
-        raise ValueError(f"{selected.dtype=} must be int32.")
-    batch, num_kv_heads = q.shape[0], k_pages.shape[0]
-    if selected.shape[:2] != (batch, num_kv_heads):
-        raise ValueError(
-            f"{selected.shape=} must lead with ({batch=}, {num_kv_heads=}) from q and k_pages.")
-    if selected.shape[2] < 1:
-        raise ValueError(f"{selected.shape=} must have at least one slot (pad with -1).")
-
-
-def _visible_selection(selected, lengths, *, page_size, pages_per_seq, sliding_window):
-    """bool[B, Hkv, K]: which selected entries name a page holding a key visible to the query.
-    Padding (-1) and entries past the last used page or outside the block table are False."""
-    _, first_page, last_page = _visible_pages(lengths, page_size=page_size,
-                                              pages_per_seq=pages_per_seq,
-                                              sliding_window=sliding_window)
-    # (first_page is a Python 0 without a window; reshape broadcasts either way.)
-    first_page, last_page = jnp.reshape(first_page, (-1, 1, 1)), last_page[:, None, None]
-    return (selected >= first_page) & (selected <= last_page)
-
-
-@functools.partial(jax.jit, static_argnames=["sm_scale", "soft_cap", "sliding_window", "interpret"])
+@functools.partial(jax.jit, static_argnames=["sm_scale", "soft_cap", "sliding_window", "interpret",
+                                             "platform"])
 def sparse_decode_attention(
     q: jax.Array,  # [B, Hq, D]
     k_pages: jax.Array,  # [Hkv, P, S, D]
@@ -162,6 +138,7 @@ def sparse_decode_attention(
     soft_cap: float | None = None,
     sliding_window: int | None = None,
     interpret: bool | pltpu.InterpretParams | None = None,
+    platform: str | None = None,
 ) -> jax.Array:  # [B, Hq, D], q.dtype
     """Decode attention of one query token per sequence over the selected pages of the KV pool.
 
@@ -190,12 +167,23 @@ def sparse_decode_attention(
       sliding_window: static window W >= 1, or None for full attention.
       interpret: None picks interpret mode on CPU and compiled elsewhere; True / False force it;
         a `pltpu.InterpretParams` runs TPU interpret mode (e.g. to raise on out-of-bounds reads).
+      platform: which kernel runs: "tpu" (scalar prefetch), "gpu" (Triton,
+        `sparse_decode_gpu`; it lowers for CUDA from any host and runs anywhere with interpret
+        mode), or None: the running backend's (gpu -> "gpu", tpu -> "tpu", cpu -> the TPU kernel
+        in interpret mode).
 
     Raises:
       ValueError: inconsistent ranks, shapes or dtypes, or an invalid knob.
-      NotImplementedError: compiled on a backend other than TPU (scalar prefetch is TPU-only).
+      NotImplementedError: the TPU kernel compiled on a backend other than TPU (scalar
+        prefetch is TPU-only).
     """
-    _check_sparse_inputs(q, k_pages, v_pages, block_tables, lengths, selected, sm_scale=sm_scale,
+    if kernel_platform(platform) == "gpu":
+        if isinstance(interpret, pltpu.InterpretParams):
+            raise ValueError(f"{interpret=} is TPU interpret mode; the GPU kernel takes a bool.")
+        return sparse_decode_attention_gpu(
+            q, k_pages, v_pages, block_tables, lengths, selected, sm_scale=sm_scale,
+            soft_cap=soft_cap, sliding_window=sliding_window, interpret=interpret)
+    check_sparse_inputs(q, k_pages, v_pages, block_tables, lengths, selected, sm_scale=sm_scale,
                          soft_cap=soft_cap, sliding_window=sliding_window)
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
@@ -205,19 +193,14 @@ def sparse_decode_attention(
         interpret = jax.default_backend() == "cpu"
     if not interpret and jax.default_backend() != "tpu":
         raise NotImplementedError(
-            f"sparse_decode_attention compiles only on TPU (scalar prefetch); the backend is "
-            f"{jax.default_backend()!r}. Pass interpret=True, or use "
-            f"sparse_decode_attention_reference.")
+            f"sparse_decode_attention's TPU kernel compiles only on TPU (scalar prefetch); the "
+            f"backend is {jax.default_backend()!r}. Pass interpret=True, platform='gpu' for the "
+            f"GPU kernel, or use sparse_decode_attention_reference.")
 
     # Pack each (b, h)'s usable entries to the front, so that slot j < count always names a
     # visible page and the index map can re-point trailing slots at the last one.
-    # NOTE: sorting (rather than trusting the ascending order) keeps that true for any values,
-    # so a bad entry can never become an out-of-range table lookup or page read.
-    usable = _visible_selection(selected, lengths, page_size=page_size,
-                                pages_per_seq=pages_per_seq, sliding_window=sliding_window)
-    packed = jnp.sort(jnp.where(usable, selected, pages_per_seq), axis=-1)
-    packed = jnp.where(packed < pages_per_seq, packed, 0)  # padding: any in-range column
-    counts = usable.sum(axis=-1, dtype=jnp.int32)
+    packed, counts = pack_selection(selected, lengths, page_size=page_size,
+                                    pages_per_seq=pages_per_seq, sliding_window=sliding_window)
     # NOTE: flat 1-D arrays, because TPU SMEM pads 2-D and 3-D arrays to whole tiles.
     packed, counts = packed.reshape(-1), counts.reshape(-1)
 
@@ -267,13 +250,13 @@ def sparse_decode_attention_reference(
     """Plain-jnp `sparse_decode_attention`: gather each (b, h)'s selected pages, mask, softmax in
     f32. Same semantics and errors (ValueError); a (b, h) with nothing visible returns zeros.
     """
-    _check_sparse_inputs(q, k_pages, v_pages, block_tables, lengths, selected, sm_scale=sm_scale,
+    check_sparse_inputs(q, k_pages, v_pages, block_tables, lengths, selected, sm_scale=sm_scale,
                          soft_cap=soft_cap, sliding_window=sliding_window)
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
     num_keys = selected.shape[2] * page_size
 
-    usable = _visible_selection(selected, lengths, page_size=page_size,
+    usable = visible_selection(selected, lengths, page_size=page_size,
                                 pages_per_seq=block_tables.shape[1],
                                 sliding_window=sliding_window)  # [B, Hkv, K]
     logical = jnp.where(usable, selected, 0)
@@ -289,7 +272,7 @@ def sparse_decode_attention_reference(
     scores = jnp.einsum("bhgd,bhtd->bhgt", qg, k, precision=exact) * sm_scale
     if soft_cap is not None:
         scores = jnp.tanh(scores / soft_cap) * soft_cap
-    first_key, _, _ = _visible_pages(lengths, page_size=page_size,
+    first_key, _, _ = visible_pages(lengths, page_size=page_size,
                                      pages_per_seq=block_tables.shape[1],
                                      sliding_window=sliding_window)
     pos = logical[..., None] * page_size + jnp.arange(page_size)  # [B, Hkv, K, S]

@@ -118,3 +118,47 @@ def test_no_private_names_across_modules(tmp_path):
         "def f():\n    return _front, tiered._back\n")
     assert private_imports(tree) == ["gemini_jax/planted.py:1: from gemini_jax.runtime.tiered import _front",
                                       "gemini_jax/planted.py:6: tiered._back"]
+
+
+# Training / experiment tooling that the GPU machine lacks: the package must not need it.
+OPTIONAL = ("hydra", "omegaconf", "wandb")
+_BLOCK = "import sys\nfor name in {names!r}:\n    sys.modules[name] = None  # `import name` raises ImportError\n"
+
+
+def _run_blocked(code: str, names=OPTIONAL):
+    return subprocess.run([sys.executable, "-c", _BLOCK.format(names=names) + code], cwd=ROOT,
+                          env=dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu"),
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_package_and_engine_need_no_hydra_or_wandb():
+    """`import gemini_jax`, the shipped model and an Engine run with hydra, omegaconf and wandb
+    unimportable (as on the GPU machine)."""
+    code = ("import gemini_jax as gj\n"
+            "eng = gj.Engine(gj.load_tiny(), gj.EngineConfig(max_seq_len=64, max_batch=1, prefill_chunk=32))\n"
+            "out = eng.generate([[1, 2, 3]], gj.SamplingParams(max_new_tokens=2, temperature=0.0))\n"
+            "assert len(out.tokens[0]) == 2, out.tokens\n"
+            "print('ok')\n")
+    out = _run_blocked(code)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_engine_runs_on_a_bare_jax_flax_stack():
+    """With tqdm and safetensors unimportable too (only jax's and flax's stack, as on the GPU
+    machine), the package, dispatch and an Engine over in-memory weights run."""
+    code = ("import gemini_jax as gj\n"
+            "from gemini_jax.attention import dispatch\n"
+            "from gemini_jax.testing import random_model, tiny_config\n"
+            "eng = gj.Engine(random_model(tiny_config('llama'), 0), gj.EngineConfig(max_seq_len=64, max_batch=1,\n"
+            "                                                                        prefill_chunk=32))\n"
+            "out = eng.generate([[1, 2, 3]], gj.SamplingParams(max_new_tokens=2, temperature=0.0))\n"
+            "assert len(out.tokens[0]) == 2, out.tokens\n"
+            "print('ok')\n")
+    out = _run_blocked(code, names=(*OPTIONAL, "tqdm", "safetensors", "tokenizers"))
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+def test_blocking_optional_modules_takes_effect():
+    """Control for the test above: with the same block, code that does need Hydra fails."""
+    out = _run_blocked("from gemini_jax import hydra_schema\nhydra_schema.register()\n")
+    assert out.returncode != 0 and "No module named 'hydra" in out.stderr, out.stderr[-3000:]

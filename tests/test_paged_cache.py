@@ -206,9 +206,10 @@ def test_sliding_window_frees_pages_only_when_no_layer_needs_them():
         assert live == -(-n_tokens // 8), f"{live} pages live for {n_tokens} tokens: a page was dropped"
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2"])
-def test_engine_pallas_decode_matches_xla(family):
-    """attention_impl='pallas' (interpret mode on CPU) gives the XLA path's logits and tokens."""
+@pytest.mark.parametrize("family,platform", [("llama", None), ("gemma2", None), ("gemma2", "gpu")])
+def test_engine_pallas_decode_matches_xla(family, platform):
+    """attention_impl='pallas' (interpret mode on CPU) gives the XLA path's logits and tokens, with
+    the TPU kernels (the CPU default) and with the GPU (Triton) kernels."""
     rng = np.random.default_rng(2)
     cfg = tiny_config(family)
     model = random_model(cfg, int(rng.integers(100)))
@@ -217,7 +218,8 @@ def test_engine_pallas_decode_matches_xla(family):
     outs = {}
     for impl in ("xla", "pallas"):
         eng = gj.Engine(model, gj.config.from_dict(gj.EngineConfig, dict(
-            max_seq_len=48, prefill_chunk=16, attention_impl=impl, cache=dict(block_size=8))))
+            max_seq_len=48, prefill_chunk=16, attention_impl=impl, kernel_platform=platform,
+            cache=dict(block_size=8))))
         outs[impl] = eng.generate(prompts, params, return_logits=True)
     assert outs["xla"].tokens == outs["pallas"].tokens
     for a, b in zip(outs["xla"].logits, outs["pallas"].logits):

@@ -136,16 +136,18 @@ def test_sparse_needs_paged_cache():
         gj.config.from_dict(gj.EngineConfig, dict(cache=dict(kind="contiguous"), sparse=dict(enabled=True)))
 
 
-def test_engine_pallas_sparse_matches_xla_sparse():
-    """The sparse Pallas kernel (interpret mode) and the XLA sparse path agree inside the engine."""
+@pytest.mark.parametrize("platform", [None, "gpu"])
+def test_engine_pallas_sparse_matches_xla_sparse(platform):
+    """The sparse Pallas kernel (interpret mode; the TPU kernel, the CPU default, and the GPU
+    one) and the XLA sparse path agree inside the engine."""
     rng = np.random.default_rng(6)
     cfg = tiny_config("gemma2")
     model = random_model(cfg, int(rng.integers(100)))
     prompts = random_prompts(rng, cfg.vocab_size, (50, 23))
     params = gj.SamplingParams(max_new_tokens=4, stop_at_eos=False)
     sparse = dict(enabled=True, budget=32, sink_pages=1, local_pages=2)
-    outs = [_engine(model, sparse, attention_impl=impl).generate(prompts, params, return_logits=True)
-            for impl in ("xla", "pallas")]
+    outs = [_engine(model, sparse, attention_impl=impl, kernel_platform=platform).generate(
+        prompts, params, return_logits=True) for impl in ("xla", "pallas")]
     assert outs[0].tokens == outs[1].tokens
     for a, b in zip(outs[0].logits, outs[1].logits):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)

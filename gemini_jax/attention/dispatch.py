@@ -1,6 +1,7 @@
 """The one place that picks how attention over pages runs: XLA (gather + dense, or the selected
-pages), the Pallas kernels (`pallas_kernels`, decode steps: one query per row), and compact
-positions (keys moved by rope, XLA only: the kernels keep true positions).
+pages), the Pallas kernels (`pallas_kernels`, decode steps: one query per row; the TPU or the GPU
+(Triton) variant, `kernel_platform`), and compact positions (keys moved by rope, XLA only: the
+kernels keep true positions).
 
 Every runner's layer body ends here: the pooled cache inside the model's layer scan, the
 tiered runner layer by layer, and the one-program tiered decode step.
@@ -22,6 +23,7 @@ from pallas_kernels.paged_decode import paged_decode_attention
 from pallas_kernels.sparse_decode import sparse_decode_attention
 
 IMPLS = ("xla", "pallas")
+KERNEL_PLATFORMS = (None, "tpu", "gpu")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,18 +31,38 @@ class AttentionImpl:
     """Static choice of the attention path (hashable). `impl` "xla" is the portable path (fast
     on CPU); "pallas" runs decode steps through the kernels (compiled on GPU / TPU, interpret
     mode on CPU). `windows`: the model's distinct sliding windows (the kernels take the window
-    statically, so a step switches among them)."""
+    statically, so a step switches among them). `platform`: which kernel variant "pallas" runs,
+    see `kernel_platform`."""
 
     impl: str = "xla"
     scale: float
     cap: Optional[float] = None
     windows: tuple = (0,)
     interpret: Optional[bool] = None
+    platform: Optional[str] = None
+
+    def __post_init__(self):
+        if self.impl not in IMPLS:
+            raise ValueError(f"impl={self.impl!r} must be one of {IMPLS}.")
+        if self.platform not in KERNEL_PLATFORMS:
+            raise ValueError(f"platform={self.platform!r} must be one of {KERNEL_PLATFORMS}.")
 
     @classmethod
-    def of(cls, cfg: ModelConfig, impl: str = "xla", interpret=None) -> "AttentionImpl":
+    def of(cls, cfg: ModelConfig, impl: str = "xla", interpret=None, platform=None) -> "AttentionImpl":
         return cls(impl=impl, scale=cfg.scale, cap=cfg.attn_softcap, windows=tuple(sorted(set(cfg.layer_windows))),
-                   interpret=interpret)
+                   interpret=interpret, platform=platform)
+
+
+def kernel_platform(spec: AttentionImpl) -> Optional[str]:
+    """The kernel variant a "pallas" decode step runs: the spec's platform if set, else the
+    running backend's: "gpu" (Triton kernels) on a GPU, "tpu" on a TPU, and None on CPU (the
+    kernels' own default there: the TPU kernels in interpret mode)."""
+    if spec.platform is not None:
+        return spec.platform
+    backend = jax.default_backend()
+    if backend in ("gpu", "cuda", "rocm"):
+        return "gpu"
+    return "tpu" if backend == "tpu" else None
 
 
 def gather_pages(pool_layer, block_tables):
@@ -58,7 +80,7 @@ def attend_pages(spec: AttentionImpl, queries, kv_layer, view: PageView, window)
     if spec.impl == "pallas" and q.shape[1] == 1:
         return _by_window(spec, window, lambda w: lambda: paged_decode_attention(
             q[:, 0], k_layer, v_layer, view.tables, view.lengths, sm_scale=spec.scale, soft_cap=spec.cap,
-            sliding_window=(w or None), interpret=spec.interpret)[:, None])
+            sliding_window=(w or None), interpret=spec.interpret, platform=kernel_platform(spec))[:, None])
     kk = gather_pages(k_layer, view.tables)
     vv = gather_pages(v_layer, view.tables)
     k_pos = jnp.broadcast_to(jnp.arange(kk.shape[1], dtype=jnp.int32), kk.shape[:2])
@@ -75,7 +97,8 @@ def attend_selected(spec: AttentionImpl, queries, kv_layer, view: PageView, sel:
         k_layer, v_layer = kv_layer
         return _by_window(spec, window, lambda w: lambda: sparse_decode_attention(
             q[:, 0], k_layer, v_layer, view.tables, view.lengths, sel.pages, sm_scale=spec.scale,
-            soft_cap=spec.cap, sliding_window=(w or None), interpret=spec.interpret)[:, None])
+            soft_cap=spec.cap, sliding_window=(w or None), interpret=spec.interpret,
+            platform=kernel_platform(spec))[:, None])
     return sparse_attention(queries, kv_layer, view, sel, scale=spec.scale, cap=spec.cap, window=window,
                             return_lse=return_lse)
 

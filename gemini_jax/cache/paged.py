@@ -61,7 +61,8 @@ def write_layer(k_pool, v_pool, digests, layer, kv_new, span: Span, *, digest_ki
     return k_pool, v_pool, digests
 
 
-def paged_backend(cfg: ModelConfig, impl: str = "xla", sparse: SparseConfig | None = None, interpret=None):
+def paged_backend(cfg: ModelConfig, impl: str = "xla", sparse: SparseConfig | None = None, interpret=None,
+                  kernel_platform=None):
     """KV backend over the paged pool.
 
     impl 'xla': gather pages, then dense attention (the CPU fast path, any number of queries).
@@ -70,7 +71,7 @@ def paged_backend(cfg: ModelConfig, impl: str = "xla", sparse: SparseConfig | No
     written page, and decode steps (and prefill chunks, with sparse_prefill) attend only to the
     selected pages.
     """
-    spec = AttentionImpl.of(cfg, impl, interpret)
+    spec = AttentionImpl.of(cfg, impl, interpret, platform=kernel_platform)
     sp = sparse if sparse is not None and sparse.enabled else None
     compact = sp is not None and sp.positions == "compact"
     if compact and cfg.local_rope is not None:

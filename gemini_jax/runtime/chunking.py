@@ -6,7 +6,11 @@ from __future__ import annotations
 from typing import Iterator
 
 import numpy as np
-from tqdm import tqdm
+
+try:  # a progress bar when tqdm is there; the engine runs without it (a bare jax + flax machine)
+    from tqdm import tqdm
+except ImportError:
+    tqdm = None
 
 from gemini_jax.cache.shapes import pow2_at_least, table_width
 from gemini_jax.config import EngineConfig
@@ -36,8 +40,10 @@ def prefill_pieces(config: EngineConfig, toks: np.ndarray, start: int) -> Iterat
         s, e = bounds.pop()
         bounds += [(s, e - 1), (e - 1, e)]
     # Long prompts (minutes on a CPU) show a progress bar on stderr; short ones stay quiet.
-    for s, e in tqdm(bounds, desc="prefill", unit="chunk", disable=len(bounds) < PREFILL_PROGRESS_CHUNKS,
-                     leave=False):
+    if tqdm is not None:
+        bounds = tqdm(bounds, desc="prefill", unit="chunk", disable=len(bounds) < PREFILL_PROGRESS_CHUNKS,
+                      leave=False)
+    for s, e in bounds:
         piece = toks[s:e]
         n = len(piece)
         width = min(pow2_at_least(n, 16), max(chunk, n))

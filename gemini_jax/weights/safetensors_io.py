@@ -16,8 +16,6 @@ from typing import Optional
 
 import ml_dtypes
 import numpy as np
-from safetensors import safe_open
-from safetensors.numpy import save_file
 
 from gemini_jax.errors import CheckpointError
 
@@ -117,6 +115,10 @@ class TensorReader:
     def _open(self, path: Path):
         handle = self._handles.get(path)
         if handle is None:
+            # NOTE: safetensors is imported where a file is read or written, so that the package
+            # and an Engine over in-memory weights run without it (a bare jax + flax machine).
+            from safetensors import safe_open
+
             try:
                 handle = self._stack.enter_context(safe_open(str(path), framework="numpy"))
             except Exception as e:  # SafetensorError on a truncated/garbled header, OSError ...
@@ -129,6 +131,8 @@ class TensorReader:
 def write_safetensors(arrays: dict[str, np.ndarray], path: str | os.PathLike,
                       metadata: Optional[dict[str, str]] = None) -> Path:
     """Write `arrays` to one safetensors file. Atomic: a crash leaves the old file or none."""
+    from safetensors.numpy import save_file  # see TensorReader._open
+
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(tmp), metadata=metadata)
