@@ -65,7 +65,7 @@ def test_needle_keys_study_through_run_py(tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, env=sandbox_env(tmp_path), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rec = json.loads((tmp_path / "results" / "needle_keys" / "needle_keys.json").read_text())
-    assert rec["config"]["keys"] == ["22679", "78734"] and rec["seeds"] == [7] and rec["split"] == "heldout"
+    assert rec["config"]["keys"] == ["22679", "78734"] and rec["seeds"] == [7] and rec["split"] == "dev"
     assert [(r["length"], r["depth"], r["of"]) for r in rec["records"]] == [(256, 0.5, 2)]
     md = (tmp_path / "results" / "needle_keys" / "needle_keys.md").read_text()
     assert md.startswith("# Dense needle on chosen keys") and "| 256 | 0.5 |" in md and rec["command"] in md
