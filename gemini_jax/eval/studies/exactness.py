@@ -301,7 +301,8 @@ def _fmt(x) -> str:
 def markdown(record: dict) -> str:
     lines = ["# Exactness: measured logit errors", "",
              f"Run {record['date']}, command `{record['command']}`, commit {record['commit']}. fp32; seeded random "
-             f"tiny models (every weight random) and random tokens; versions {record['versions']}. "
+             f"tiny models (every weight random) and random tokens; "
+             f"{', '.join(f'{k} {v or chr(8212)}' for k, v in record['versions'].items())}. "
              "`max rel` is max |ours − ref| / max |ref|. `tolerance` is what the named test asserts, on the "
              "quantity after it; resume is asserted on tokens only.", "",
              "| path | family | max abs err | max rel err | tolerance (asserted on) | within | seed | shape | note |",
@@ -310,7 +311,8 @@ def markdown(record: dict) -> str:
         tol = "tokens" if r["tolerance_asserted_in_tests"] is None else \
             f"{r['tolerance_asserted_in_tests']:g} ({r['tolerance_on']})"
         within = {True: "✓", False: "✗ FAIL", None: "—"}[r["within_tolerance"]]
-        lines.append(f"| {r['path']} | {r['family']} | {_fmt(r['max_abs_err'])} | {_fmt(r['max_rel_err'])} | {tol} | "
-                     f"{within} | {r['seed']} | {r['shape']} | {r.get('note', '')} |")
+        cells = [r["path"], r["family"], _fmt(r["max_abs_err"]), _fmt(r["max_rel_err"]), tol, within, r["seed"],
+                 r["shape"], r.get("note", "")]
+        lines.append("| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |")  # `|ref|` stays in its cell
     lines += ["", f"All within the tests' tolerances: {'yes' if record['all_within_tolerance'] else 'NO'}."]
     return "\n".join(lines) + "\n"
