@@ -4,11 +4,13 @@ record they write (gemini_jax.eval.record)."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
@@ -104,3 +106,112 @@ def test_record_commit_is_dirty_for_code_changes_not_for_rewritten_results(tmp_p
     assert git_commit(str(tmp_path)) == head
     (tmp_path / "code.py").write_text("x = 2\n")
     assert git_commit(str(tmp_path)) == head + "+dirty"
+
+
+# ---------------------------------------------------------------- exactness
+
+
+def _meets_test_tolerance(row) -> bool:
+    """The row's error against the tolerance its test asserts, recomputed from the row's own figures."""
+    on, tol = row["tolerance_on"], row["tolerance_asserted_in_tests"]
+    if on == "tokens":
+        return row["tokens_equal"]
+    err = {"max_rel_err": row["max_rel_err"], "max_abs_err": row["max_abs_err"],
+           "max_abs_err / max(1, max|ref|)": row["max_abs_err"] / max(1.0, row["ref_max_abs"])}[on]
+    return err <= tol
+
+
+def test_exactness_study_through_run_py(tmp_path):
+    """Every path on one family: finite errors, each within the tolerance its test asserts."""
+    cmd = [sys.executable, os.path.join(ROOT, "experiments", "run.py"), "experiment=exactness",
+           "experiment.families=[gemma2]", "experiment.tiered_families=[gemma2]",
+           "experiment.resume_families=[gemma2]", "experiment.new_tokens=4", "experiment.hf_length=12",
+           f"results_dir={tmp_path / 'results'}", f"hydra.run.dir={tmp_path / 'run'}", f"wandb.dir={tmp_path / 'wandb'}"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=sandbox_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rec = json.loads((tmp_path / "results" / "exactness" / "exactness.json").read_text())
+    assert rec["split"] is None and rec["seeds"] == [0] and rec["config"]["families"] == ["gemma2"]
+    rows = {r["path"]: r for r in rec["records"]}
+    assert sorted(rows) == sorted(studies.load("exactness").PATHS)
+    have_hf = importlib.util.find_spec("transformers") is not None and importlib.util.find_spec("torch") is not None
+    for path, row in rows.items():
+        if path == "hf" and not have_hf:  # no figure is made up for a comparison that did not run
+            assert row["max_abs_err"] is None and "not installed" in row["note"]
+            continue
+        assert np.isfinite(row["max_abs_err"]) and np.isfinite(row["max_rel_err"]), row
+        assert row["within_tolerance"] and _meets_test_tolerance(row), row
+    assert "page fetches from host" in rows["tiered"]["note"] and not rows["tiered"]["note"].startswith("0 ")
+    assert rec["all_within_tolerance"]
+    md = (tmp_path / "results" / "exactness" / "exactness.md").read_text()
+    assert md.startswith("# Exactness: measured logit errors") and "| resume | gemma2 |" in md and "FAIL" not in md
+
+
+def test_exactness_tolerances_are_the_ones_the_tests_assert():
+    """The tolerance each row quotes appears in the test it names."""
+    import ast
+
+    for path, (tol, on, test) in studies.load("exactness").TOLERANCES.items():
+        file, name = test.split("::")
+        tree = ast.parse(open(os.path.join(ROOT, file)).read())
+        fn = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == name)
+        if tol is None:  # asserted on tokens
+            continue
+        names = {n.id for n in ast.walk(fn) if isinstance(n, ast.Name)}
+        module_consts = {t.id: n.value.value for n in tree.body if isinstance(n, ast.Assign)
+                         and isinstance(n.value, ast.Constant) for t in n.targets if isinstance(t, ast.Name)}
+        used = {n.value for n in ast.walk(fn) if isinstance(n, ast.Constant)}
+        used |= {v for k, v in module_consts.items() if k in names}  # e.g. TOL = 1e-4 at module level
+        assert tol in used, f"{path}: {tol} is neither a literal in {test} nor a module constant it uses"
+
+
+def test_exactness_reports_a_planted_bug(monkeypatch):
+    """The study can fail: a wrong rope theta (1/100 of it) in our decoder (hf path) and a resume that loses the
+    last token before the resume point (resume path) come out far above the tolerances."""
+    from gemini_jax import weights
+    from gemini_jax.config import replace
+    from gemini_jax.engine import Engine
+
+    study = studies.load("exactness")
+    load_hf, resume = weights.load_hf, Engine.resume
+
+    def wrong_theta(path, **kw):
+        model = load_hf(path, **kw)
+        return weights.decoder_from_arrays(replace(model.cfg, rope=replace(model.cfg.rope, theta=model.cfg.rope.theta / 100)),
+                                           weights.model_arrays(model))
+
+    def loses_last_token(self, path, *args, **kw):
+        sess = resume(self, path, *args, **kw)
+        sess.rewind(sess.position - 1)
+        return sess
+
+    monkeypatch.setattr(weights, "load_hf", wrong_theta)
+    monkeypatch.setattr(Engine, "resume", loses_last_token)
+    paths = ("hf", "resume") if importlib.util.find_spec("transformers") else ("resume",)
+    res = study.run(study.Config(families=("llama",), resume_families=("llama",), paths=paths, new_tokens=4,
+                                 hf_length=12))
+    assert [r["path"] for r in res.records] == list(paths)
+    for row in res.records:
+        assert np.isfinite(row["max_abs_err"]) and not row["within_tolerance"] and not _meets_test_tolerance(row), row
+    rows = {r["path"]: r for r in res.records}
+    assert rows["resume"]["max_abs_err"] > 1e-2 and not rows["resume"]["tokens_equal"]
+    if "hf" in rows:
+        assert rows["hf"]["max_rel_err"] > 1e-3
+    assert not res.extra["all_within_tolerance"]
+    record = make_record("exactness", res, command="c", config={}, commit="x")
+    assert "✗ FAIL" in study.markdown(record) and "NO" in study.markdown(record)
+
+
+def test_exactness_without_transformers_records_no_figure(monkeypatch):
+    study = studies.load("exactness")
+    real = study.importlib.import_module
+
+    def no_hf(name, *args):
+        if name in ("torch", "transformers"):
+            raise ImportError(f"No module named {name!r}")
+        return real(name, *args)
+
+    monkeypatch.setattr(study.importlib, "import_module", no_hf)
+    res = study.run(study.Config(families=("llama",), paths=("hf",)))
+    [row] = res.records
+    assert row["max_abs_err"] is None and row["max_rel_err"] is None and row["within_tolerance"] is None
+    assert row["note"].startswith("transformers not installed") and res.extra["versions"]["transformers"] is None
