@@ -75,6 +75,7 @@ SUBSETS: dict[str, list[Job]] = {
         _bpb("bpb_dense_dev", "off", "[2048,4096,8192]", "dev", 12),
     ],
     "fullstack": [Job("fullstack/make_run", (), 2)],
+    "exactness": [Job("exactness/exactness", ("experiment=exactness",), 4)],
 }
 
 

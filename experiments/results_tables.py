@@ -144,7 +144,31 @@ def make_run_block(results_dir: str) -> str:
                                  f"seed {rec['seeds'][0]}."])
 
 
-BLOCKS = {"needle": needle_block, "bpb": bpb_block, "make_run": make_run_block}
+def exactness_block(results_dir: str) -> str:
+    rec = _load(results_dir, "exactness/exactness")
+    if rec is None:
+        return _missing("exactness")
+    paths = {}
+    for r in rec["records"]:
+        paths.setdefault(r["path"], []).append(r)
+    rows = ["| path | families | max abs logit error | max relative error | tolerance the tests assert | within |",
+            "|---|---|---|---|---|---|"]
+    for path, rs in paths.items():
+        measured = [r for r in rs if r.get("max_abs_err") is not None]
+        if not measured:
+            rows.append(f"| {path} | {', '.join(r['family'] for r in rs)} | — | — | — | {rs[0].get('note', '')} |")
+            continue
+        tol = rs[0]["tolerance_asserted_in_tests"]
+        tol_s = f"{tol:g} on {rs[0]['tolerance_on']}" if tol is not None else "tokens equal"
+        ok = all(r["within_tolerance"] for r in measured)
+        rows.append(f"| {path} | {', '.join(r['family'] for r in measured)} | "
+                    f"{max(r['max_abs_err'] for r in measured):.2e} | {max(r['max_rel_err'] for r in measured):.2e} | "
+                    f"{tol_s} | {'✓' if ok else '✗'} |")
+    return "\n".join(rows + ["", f"fp32; from {_link('exactness/exactness')}, commit `{rec['commit'][:7]}`, "
+                                 f"seed {rec['seeds'][0]}."])
+
+
+BLOCKS = {"needle": needle_block, "bpb": bpb_block, "make_run": make_run_block, "exactness": exactness_block}
 
 
 def render(text: str, results_dir: str) -> tuple[str, int]:
