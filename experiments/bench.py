@@ -134,7 +134,7 @@ def main(argv=None) -> int:
         f.write("\n".join(md) + "\n")
     with open(os.path.join(args.out, "bench.json"), "w") as f:
         json.dump({"mode": "quick" if args.quick else "full", "started_utc": started.isoformat(),
-                   "seconds": total, "command": cmd.strip(), "commit": git_commit(), "split": None,
+                   "seconds": total, "command": cmd.strip(), "commit": git_commit(), "config": vars(args), "split": None,
                    "seeds": [args.seed], "machine": machine, "bandwidth": bw,
                    "rows": {n: {"about": ROWS[n].about, **results[n]} for n in args.rows}},
                   f, indent=1, default=float)

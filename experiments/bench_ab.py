@@ -111,7 +111,7 @@ def main(argv=None) -> int:
     name = a.name or f"{base[:7]}_{head[:7]}"
     os.makedirs(RESULTS, exist_ok=True)
     record = {"command": " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]),
-              "commit": head + ("+dirty" if dirty else ""), "split": None, "seeds": [0], "base": base,
+              "commit": head + ("+dirty" if dirty else ""), "config": vars(a), "split": None, "seeds": [0], "base": base,
               "head": head + ("+dirty" if dirty else ""), "rounds": a.rounds, "mode": "full" if a.full else "quick",
               "tolerance": a.tolerance, "rows": table,
               "timings": [{"row": k[0], "record": dict(k[1]), "field": k[2], "new_over_old": v,

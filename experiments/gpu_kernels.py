@@ -285,8 +285,10 @@ def report_markdown(result: dict) -> str:
 
 
 def commit() -> str:
+    """The full commit of this checkout (a record's `commit`); "unknown" where git or the history
+    did not travel with the tree (then say in the commit message which commit the tree was)."""
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
                               text=True, timeout=10).stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -308,7 +310,10 @@ def main(argv=None) -> int:
     result = {"dry_run": args.dry_run, "backend": jax.default_backend(), "jax": jax.__version__,
               "python": platform.python_version(),
               "devices": [f"{d} ({getattr(d, 'device_kind', '?')})" for d in jax.devices()],
-              "commit": commit(), "command": " ".join([os.path.basename(__file__), *sys.argv[1:]]),
+              "commit": commit(), "command": " ".join(["python experiments/gpu_kernels.py", *sys.argv[1:]]),
+              # a result record's fields (gemini_jax.eval.record): seeds are fixed per shape
+              # (make_pool: batch * 7 + context, batch * 11 + context; selections: the budget)
+              "config": dataclasses.asdict(plan), "split": None, "seeds": ["per shape, see make_pool"],
               "plan": dataclasses.asdict(plan), "rows": []}
     t0 = time.perf_counter()
     result["hbm"] = hbm_copy_bandwidth(plan)
