@@ -159,7 +159,7 @@ def exactness_block(results_dir: str) -> str:
             rows.append(f"| {path} | {', '.join(r['family'] for r in rs)} | — | — | — | {rs[0].get('note', '')} |")
             continue
         tol = rs[0]["tolerance_asserted_in_tests"]
-        tol_s = f"{tol:g} on {rs[0]['tolerance_on']}" if tol is not None else "tokens equal"
+        tol_s = (f"{tol:g} on {rs[0]['tolerance_on']}" if tol is not None else "tokens equal").replace("|", "\\|")
         ok = all(r["within_tolerance"] for r in measured)
         rows.append(f"| {path} | {', '.join(r['family'] for r in measured)} | "
                     f"{max(r['max_abs_err'] for r in measured):.2e} | {max(r['max_rel_err'] for r in measured):.2e} | "
