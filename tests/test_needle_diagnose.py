@@ -56,5 +56,5 @@ def test_oracle_run_selects_the_needle_everywhere(tmp_path):
     assert "Oracle" in (out / "needle_diagnosis_t.md").read_text()
     # The one record format: what reproduces the run, and where its trials came from.
     assert r["command"].startswith("python experiments/run.py experiment=needle_diagnose")
-    assert r["config"]["oracle"] == "all" and r["split"] == "heldout" and r["seeds"] == [0]
+    assert r["config"]["oracle"] == "all" and r["split"] == "dev" and r["seeds"] == [0]
     assert r["commit"] is None or len(r["commit"].split("+")[0]) == 40

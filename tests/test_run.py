@@ -34,7 +34,7 @@ def test_fullstack_job_prints_the_table(tmp_path):
     assert res["correct"] == is_correct(res["answer"], res["key"]) and f"answer {res['answer']!r}" in out
     assert res["after_resume_correct"] == is_correct(res["after_resume"], res["key"])
     rec = json.loads((tmp_path / "results" / "fullstack" / "make_run.json").read_text())
-    assert rec["records"][0]["answer"] == res["answer"] and rec["seeds"] == [0] and rec["split"] == "heldout"
+    assert rec["records"][0]["answer"] == res["answer"] and rec["seeds"] == [0] and rec["split"] == "dev"
     assert rec["command"].startswith("python experiments/run.py") and rec["commit"]
     assert res["tier"]["device_slots_per_layer"] < 2048 // 16  # pages really live below the device
     assert res["projection"]["label"] == "projection"
