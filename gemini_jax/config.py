@@ -412,11 +412,17 @@ class EngineConfig:
     kernel_platform picks the kernels' variant: None follows the backend (Triton kernels on a
     GPU, the TPU kernels on TPU and, in interpret mode, on CPU); "gpu" / "tpu" force one (e.g.
     "gpu" on CPU checks the GPU kernels in interpret mode).
+
+    decode_steps_per_call: decode tokens per device program (`gemini_jax.runtime.multistep`):
+    sampling, EOS / max-token stops and counters run on device, the host commits once per call.
+    1 runs one jitted step per token. The tiered runner always runs one per token (its host
+    bookkeeping runs between steps). Tokens and logits do not depend on it.
     """
 
     max_seq_len: int = 4096
     max_batch: int = 8
     prefill_chunk: int = 512
+    decode_steps_per_call: int = 8
     attention_impl: str = "xla"
     kernel_platform: Optional[str] = None
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -435,6 +441,9 @@ class EngineConfig:
                  f"max_batch={self.max_batch!r} must be a positive integer.")
         _require(isinstance(self.prefill_chunk, int) and self.prefill_chunk > 0,
                  f"prefill_chunk={self.prefill_chunk!r} must be a positive integer.")
+        _require(isinstance(self.decode_steps_per_call, int) and self.decode_steps_per_call > 0,
+                 f"decode_steps_per_call={self.decode_steps_per_call!r} must be a positive integer (1: one "
+                 f"jitted step per token).")
         _require(self.attention_impl in ("xla", "pallas"),
                  f"attention_impl={self.attention_impl!r} must be 'xla' or 'pallas'.")
         _require(self.kernel_platform in (None, "tpu", "gpu"),

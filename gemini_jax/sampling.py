@@ -16,7 +16,11 @@ from gemini_jax.config import SamplingParams
 
 def token_keys(seed: int, seq_ids, positions):
     """PRNG keys [B] for the tokens at `positions` [B] of sequences `seq_ids` [B]."""
-    base = jax.random.key(seed)
+    return keys_from(jax.random.key(seed), seq_ids, positions)
+
+
+def keys_from(base, seq_ids, positions):
+    """`token_keys` from the seed's key `base` (jax.random.key(seed)), e.g. inside a program."""
     return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.fold_in(base, s), p))(seq_ids, positions)
 
 

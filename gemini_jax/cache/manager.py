@@ -198,6 +198,18 @@ class KVCacheManager:
         seq.tokens = [int(t) for t in tokens]
         return to_fill
 
+    def release_unwritten(self, seq_id: int) -> int:
+        """Give back reserved pages past the sequence's last token (reserved for tokens that were
+        computed ahead and then dropped); returns how many. Never registered: nothing else changes."""
+        seq = self.seqs[seq_id]
+        keep = -(-seq.num_tokens // self.block_size)
+        extra = seq.pages[keep:]
+        for p in extra:
+            if p != NULL_PAGE:
+                self.pool.release(p)
+        del seq.pages[keep:]
+        return len(extra)
+
     def free(self, seq_id: int) -> None:
         seq = self.seqs.pop(seq_id)
         for p in seq.pages:

@@ -17,17 +17,26 @@ class RunContext:
     """`kv` (host page bookkeeping) and `store` (device KV) are None for the contiguous cache;
     `step(params, cache, tokens, positions, select) -> (logits f32[B, V], cache)` is the jitted
     whole-model call over the engine's KV backend (unused by the tiered runner, which runs
-    layer by layer)."""
+    layer by layer); `forward` is the same function unjitted, for programs that loop over it
+    (`runtime.multistep`), and `programs` caches those programs for the engine's life."""
 
     graphdef: Any
     params: Any
     model_cfg: ModelConfig
     config: EngineConfig
     step: Callable
+    forward: Optional[Callable] = None
     kv: Any = None  # gemini_jax.cache.manager.KVCacheManager
     store: Any = None  # PooledStore | TieredStore
     mesh: Optional[Any] = None
     seq_ids: Any = field(default_factory=itertools.count)
+    programs: dict = field(default_factory=dict)
+
+    def program(self, key, build: Callable):
+        """The program cached under `key` (built by `build()` the first time)."""
+        if key not in self.programs:
+            self.programs[key] = build()
+        return self.programs[key]
 
     @property
     def cache_dtype(self):

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 
 from gemini_jax.cache import ContiguousKV
 from gemini_jax.runtime.chunking import prefill_pieces
 from gemini_jax.runtime.context import RunContext
 from gemini_jax.runtime.counters import Counters, count_prefill
+from gemini_jax.runtime.multistep import HostOut, LoopInputs, LoopSpec, decode_loop, fetch
 
 
 class ContiguousRunner:
+    multistep = True  # decode_many: several decode steps per program
+
     def __init__(self, ctx: RunContext, batch: int, stats: Counters):
         self.ctx, self.stats, self.batch = ctx, stats, batch
         self.cache = ContiguousKV.create(ctx.model_cfg, batch, ctx.config.max_seq_len, ctx.cache_dtype)
@@ -33,5 +38,23 @@ class ContiguousRunner:
         self.stats.kv_bytes_read += self.cache.bytes_per_read(self.batch)
         return logits
 
+    def decode_many(self, inp: LoopInputs, spec: LoopSpec, *, commit: bool = True) -> HostOut:
+        """Up to `inp.n` decode steps in one program (`runtime.multistep`). The buffer is
+        positional: nothing to commit (`commit` is accepted for the runner interface)."""
+        ctx = self.ctx
+        run = ctx.program(("contiguous", spec), lambda: decode_loop(functools.partial(_contiguous_step, ctx.forward),
+                                                                    spec, ctx.model_cfg.vocab_size))
+        self.cache, out = run(ctx.params, self.cache._replace(rows=jnp.arange(self.batch, dtype=jnp.int32)), None, inp)
+        out = fetch(out)
+        self.stats.kv_bytes_read += self.cache.bytes_per_read(self.batch) * out.steps
+        return out
+
     def close(self):
         self.cache = None
+
+
+def _contiguous_step(forward, params, cache: ContiguousKV, _, tok, pos):
+    """One decode token per row (a `decode_loop` step); rows are the batch rows."""
+    logits, cache = forward(params, cache, tok[:, None], pos[:, None], jnp.zeros_like(tok))
+    zero = jnp.zeros((), jnp.int32)
+    return logits, cache, (zero, zero)

@@ -67,13 +67,13 @@ def count_decode_reads(stats: Counters, config: EngineConfig, model_cfg: ModelCo
     """Add one decode step's reads to `stats`: KV bytes (K and V of every (page, kv head) pair
     attended, keys alone of reranked candidates), pages selected, and the digest bytes that
     selection scored (every page of the block table in every sparse layer)."""
-    per_pair = page_bytes(model_cfg, config.cache.block_size, reads.kv_itemsize)
+    per_pair = page_bytes(model_cfg, config.cache.block_size, reads.kv_itemsize)  # reads: summed over steps
     stats.kv_bytes_read += (2 * reads.page_reads + reads.key_reads) * per_pair
     sp = config.sparse
     if sp.enabled:
         stats.pages_selected += reads.page_reads
         sparse_layers = max(model_cfg.num_layers - sp.dense_layers, 0)
-        stats.digest_bytes_read += (sparse_layers * reads.batch * reads.table_width * model_cfg.num_kv_heads
+        stats.digest_bytes_read += (reads.steps * sparse_layers * reads.batch * reads.table_width * model_cfg.num_kv_heads
                                        * digests.ROWS[sp.digest] * model_cfg.head_dim * reads.digest_itemsize)
 
 
@@ -93,6 +93,7 @@ class DecodeReads:
     table_width: int
     kv_itemsize: int
     digest_itemsize: int
+    steps: int = 1
 
 
 assert tuple(f.name for f in fields(Counters)) == COUNTERS  # NOTE: the two lists move together

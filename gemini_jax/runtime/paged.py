@@ -5,6 +5,7 @@ jitted whole-model step over the all-resident pool (`PooledStore`)."""
 from __future__ import annotations
 
 import abc
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -17,12 +18,16 @@ from gemini_jax.runtime.batch import StepBatch
 from gemini_jax.runtime.chunking import call_width, prefill_pieces
 from gemini_jax.runtime.context import RunContext
 from gemini_jax.runtime.counters import Counters, DecodeReads, count_decode_reads, count_prefill
+from gemini_jax.runtime.multistep import HostOut, LoopInputs, LoopSpec, decode_loop, fetch
 
 
 class PageRunner(abc.ABC):
     """Sequences of one batch in the engine's page manager; freed on close (their full pages stay
     cached for prefix reuse until reallocated). A subclass supplies `_call(batch) -> (logits,
-    (page_reads, key_reads, table_width))` and may extend `_reserve`."""
+    (page_reads, key_reads, table_width))` and may extend `_reserve`; one that can run several
+    decode steps per program (`decode_many`) sets `multistep`."""
+
+    multistep = False
 
     def __init__(self, ctx: RunContext, batch: int, stats: Counters):
         self.ctx, self.stats = ctx, stats
@@ -49,13 +54,21 @@ class PageRunner(abc.ABC):
         for sid, n in zip(self.ids, lengths):
             self._reserve(sid, int(n) + 1)
         logits, (page_reads, key_reads, width) = self._call(StepBatch.decode_step(self.ids, nxt, lengths))
-        for sid, tok in zip(self.ids, nxt):
-            ctx.kv.commit(sid, [int(tok)])
-            ctx.kv.drop_outside_window(sid, self.window)
-        count_decode_reads(self.stats, ctx.config, ctx.model_cfg, DecodeReads(
-            page_reads=int(page_reads), key_reads=int(key_reads), batch=len(self.ids), table_width=width,
-            kv_itemsize=ctx.cache_dtype.itemsize, digest_itemsize=ctx.store.digest_itemsize))
+        self.commit(np.asarray(nxt, np.int32)[:, None])
+        self._count(int(page_reads), int(key_reads), width, 1)
         return logits
+
+    def commit(self, written) -> None:
+        """Record tokens written after each row's end (i32[B, n]), dropping pages outside the window."""
+        for sid, toks in zip(self.ids, written):
+            self.ctx.kv.commit(sid, toks)
+            self.ctx.kv.drop_outside_window(sid, self.window)
+
+    def _count(self, page_reads: int, key_reads: int, width: int, steps: int) -> None:
+        ctx = self.ctx
+        count_decode_reads(self.stats, ctx.config, ctx.model_cfg, DecodeReads(
+            page_reads=page_reads, key_reads=key_reads, batch=len(self.ids), table_width=width, steps=steps,
+            kv_itemsize=ctx.cache_dtype.itemsize, digest_itemsize=ctx.store.digest_itemsize))
 
     def close(self):
         for sid in self.ids:
@@ -105,3 +118,30 @@ class PagedRunner(PageRunner):
             return DeviceKV(cache.k, cache.v, cache.digests), (logits, (cache.page_reads, cache.key_reads, width))
 
         return ctx.store.update(step)
+
+    multistep = True
+
+    def decode_many(self, inp: LoopInputs, spec: LoopSpec, *, commit: bool = True) -> HostOut:
+        """Up to `inp.n` decode steps in one program (`runtime.multistep`): pages for all of them
+        reserved first, the written tokens committed after (`commit=False`: left to the caller,
+        which commits what it keeps; the rest is overwritten by the next write)."""
+        ctx = self.ctx
+        for sid, n0 in zip(self.ids, np.asarray(inp.lengths)):
+            self._reserve(sid, int(n0) + int(inp.n))
+        width = call_width(ctx.config, ctx.kv, self.ids, 1)
+        tables = jnp.asarray(ctx.kv.block_tables(self.ids, width))
+        run = ctx.program(("paged", spec), lambda: decode_loop(functools.partial(_paged_step, ctx.forward), spec,
+                                                                ctx.model_cfg.vocab_size))
+        out = fetch(ctx.store.update(lambda kv: run(ctx.params, kv, tables, inp)))
+        if commit:
+            self.commit(out.written(inp.tok))
+        self._count(out.page_reads, out.key_reads, width, out.steps)
+        return out
+
+
+def _paged_step(forward, params, kv: DeviceKV, tables, tok, pos):
+    """One decode token per row over the pool (a `decode_loop` step)."""
+    zero = jnp.zeros((), jnp.int32)
+    cache = PagedKV(kv.k, kv.v, tables, pos + 1, kv.digests, zero, zero)
+    logits, cache = forward(params, cache, tok[:, None], pos[:, None], jnp.zeros_like(tok))
+    return logits, DeviceKV(cache.k, cache.v, cache.digests), (cache.page_reads, cache.key_reads)

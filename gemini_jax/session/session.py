@@ -4,6 +4,12 @@ State kept between tokens: the sequence's pages (KV of every token so far), the 
 next token, and the sampler's position. Tokens are written eagerly (a token's KV is computed
 right after it is sampled), so at every boundary the state is complete: a snapshot taken there
 restores exactly, and a new instruction only needs its own tokens prefilled.
+
+With `decode_steps_per_call` k > 1 one device program computes up to k tokens ahead
+(`runtime.multistep`); the session still yields them one by one and commits each token's KV to
+the page manager as it yields it. Stopping between (interrupt, snapshot, a new instruction)
+drops the tokens computed ahead: they were never committed, and their slots in the pages are
+written again by the next token, so the state is exactly the one at the last yielded token.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import threading
 from typing import Optional
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -18,6 +25,7 @@ from gemini_jax.config import SamplingParams
 from gemini_jax.errors import BudgetExceeded, ConfigError, ContextLengthError
 from gemini_jax.model import validate_tokens
 from gemini_jax.runtime import make_runner, new_stats
+from gemini_jax.runtime.multistep import LoopInputs, LoopSpec
 from gemini_jax.sampling import sample_with
 from gemini_jax.session import snapshot
 
@@ -43,6 +51,7 @@ class Session:
         self.finished = False
         self._stop = threading.Event()
         self._on_stop = []  # callbacks run once when iteration ends (audit records): `on_stop`
+        self._ahead: list = []  # (token, logits after it) computed ahead, not yet yielded
 
     # ---- state ------------------------------------------------------------------------------
     @property
@@ -79,6 +88,7 @@ class Session:
     def feed(self, tokens, *, what: str = "prompt") -> None:
         """Prefill `tokens` after the current end (the prompt, or an instruction)."""
         toks = validate_tokens(tokens, self.engine.model_cfg.vocab_size, what)
+        self._settle()
         self._check_room(len(toks), what)
         self.charge(len(toks) * self.engine.model_cfg.num_layers, what)
         if self.seq_id in self.engine.kv.seqs:
@@ -91,6 +101,7 @@ class Session:
     def rewind(self, keep: int) -> None:
         """Forget every token after the first `keep` (pages after it are released)."""
         e = self.engine
+        self._settle()
         if not 1 <= keep <= self.position:
             raise ValueError(f"rewind_to={keep} must be in [1, {self.position}].")
         tokens = self.tokens
@@ -127,9 +138,15 @@ class Session:
             self._stopped()
             raise StopIteration
         self.charge(cfg.num_layers, "decode step")
-        tok = int(np.asarray(sample_with(self.params, self.logits, [self.sample_index], [pos]))[0])
-        # Write the token's KV now, so every boundary is a complete state (see module doc).
-        self.logits = self._runner.decode(np.asarray([tok], np.int32), np.asarray([pos], np.int32))
+        if not self._ahead:
+            self._compute_ahead(pos)
+        if self._ahead:  # computed by a k-step program: commit this token's KV as it is yielded
+            tok, self.logits = self._ahead.pop(0)
+            self._runner.commit(np.asarray([[tok]], np.int32))
+        else:
+            tok = int(np.asarray(sample_with(self.params, self.logits, [self.sample_index], [pos]))[0])
+            # Write the token's KV now, so every boundary is a complete state (see module doc).
+            self.logits = self._runner.decode(np.asarray([tok], np.int32), np.asarray([pos], np.int32))
         self.stats.decode_steps += 1
         self.stats.compute_units += cfg.num_layers
         self.generated.append(tok)
@@ -137,6 +154,33 @@ class Session:
         if self.params.stop_at_eos and cfg.eos_id is not None and tok == cfg.eos_id:
             self.finished = True
         return tok
+
+    def _compute_ahead(self, pos: int) -> None:
+        """Fill `_ahead` with up to k tokens from one program (nothing when k = 1, the runner
+        cannot, or only one token may come): each with the logits that follow it."""
+        e, cfg = self.engine, self.engine.model_cfg
+        n = min(e.config.decode_steps_per_call, self.params.max_new_tokens - self.new_tokens,
+                e.config.max_seq_len - pos)
+        if self.budget is not None:  # tokens the budget still allows
+            n = min(n, (self.budget - self.compute_units) // cfg.num_layers)
+        if n <= 1 or not self._runner.multistep:
+            return
+        first = np.asarray(sample_with(self.params, self.logits, [self.sample_index], [pos]), np.int32)
+        # EOS does not stop the program: the session writes the EOS token it yields (as one step
+        # per token does); what was computed past it is dropped with the rest of the overshoot.
+        spec = LoopSpec.of(self.params, e.config.decode_steps_per_call, None, keep_logits=True)
+        res = self._runner.decode_many(LoopInputs(first, np.asarray([pos], np.int32),
+                                                  np.asarray([self.sample_index], np.uint32),
+                                                  jax.random.key(self.params.seed), np.zeros(1, bool), np.int32(n)),
+                                       spec, commit=False)
+        written = res.written(first)[0]
+        self._ahead = [(int(t), res.logits[:, j]) for j, t in enumerate(written)]
+
+    def _settle(self) -> None:
+        """Drop the tokens computed ahead and not yielded (the state stays the last yielded one)."""
+        self._ahead = []
+        if self.seq_id in self.engine.kv.seqs:
+            self.engine.kv.release_unwritten(self.seq_id)
 
     def run(self) -> list[int]:
         """Iterate to the end (or an interrupt); return the tokens produced by this run."""
@@ -147,6 +191,7 @@ class Session:
         self._on_stop.append(callback)
 
     def _stopped(self) -> None:
+        self._settle()
         callbacks, self._on_stop = self._on_stop, []
         for cb in callbacks:
             cb(self)
@@ -154,6 +199,7 @@ class Session:
     # ---- persistence ------------------------------------------------------------------------
     def snapshot(self, path: str, *, include_kv: bool = True) -> str:
         """Save the session with Orbax (atomically); returns the snapshot's content hash."""
+        self._settle()
         return snapshot.save_snapshot(self, path, include_kv=include_kv)
 
     def close(self) -> None:
