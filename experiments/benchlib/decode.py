@@ -16,8 +16,9 @@ random K/V instead of running prefill:
   scores the cache that is really there, as after a real prefill.
 
 `step()` then calls `runner.decode` — the exact per-token work of `generate`'s loop: host
-bookkeeping (reserve/commit/block table for paged), the jitted step `Engine._step`, and a greedy
-argmax on the host (which synchronises, as sampling does). These are private engine names: if the
+bookkeeping (reserve/commit/block table for paged), the jitted step, and a greedy argmax on the
+host (which synchronises, as sampling does) — or, with `steps_per_call` k > 1, `runner.decode_many`:
+the engine's k-step program (greedy on device), one call per k tokens. These are private engine names: if the
 engine's internals move, this file is the one place to follow them.
 """
 
@@ -34,48 +35,53 @@ from gemini_jax.attention import digests as D
 from gemini_jax.attention.views import Span
 from gemini_jax.config import CacheConfig, SparseConfig
 from gemini_jax.runtime import ContiguousRunner, PagedRunner, new_stats
+from gemini_jax.runtime.multistep import LoopInputs, LoopSpec
 
 
 class DecodeHarness:
     def __init__(self, model, *, kind: str, context: int, new_tokens: int, block_size: int = 16,
-                 seed: int = 0, max_batch: int = 1, sparse: SparseConfig | None = None):
+                 seed: int = 0, batch: int = 1, sparse: SparseConfig | None = None, steps_per_call: int = 1):
         cfg = model.cfg
-        # NOTE: max_seq_len = context + new_tokens for every variant, and a pool sized for one
-        # sequence (max_batch=1), so no variant pays for a bigger buffer than it needs.
+        # NOTE: max_seq_len = context + new_tokens for every variant, and a pool sized for the
+        # batch (max_batch=batch), so no variant pays for a bigger buffer than it needs.
         self.eng = gj.Engine(model, gj.EngineConfig(
-            max_seq_len=context + new_tokens, max_batch=max_batch,
+            max_seq_len=context + new_tokens, max_batch=batch, decode_steps_per_call=steps_per_call,
             cache=CacheConfig(kind=kind, block_size=block_size, prefix_caching=False),
             sparse=sparse or SparseConfig()))
+        self.batch, self.k = batch, steps_per_call
         self.kind, self.context, self.capacity = kind, context, context + new_tokens
         self.stats = new_stats()
         key = jax.random.key(seed)
         kk, kv = jax.random.split(key)
         dt = self.eng.cache_dtype
         if kind == "paged":
-            self.runner = PagedRunner(self.eng.ctx, 1, self.stats)
-            sid = self.runner.ids[0]
-            toks = np.random.default_rng(seed).integers(0, cfg.vocab_size, context).astype(np.int32)
-            kvm = self.eng.kv
-            kvm.add_sequence(sid, toks)
-            kvm.reserve(sid, context)
-            kvm.commit(sid, toks)
-            pages = kvm.seqs[sid].pages
-            shape = (cfg.num_layers, cfg.num_kv_heads, len(pages), block_size, cfg.head_dim)
-            store = self.eng.store
-            store.scatter(pages, jax.random.normal(kk, shape, dt), jax.random.normal(kv, shape, dt))
-            jax.block_until_ready(store.device)
-            if store.device.digests is not None:
-                self._fill_digests(np.asarray(kvm.seqs[sid].pages, np.int32), context, seed)
+            self.runner = PagedRunner(self.eng.ctx, batch, self.stats)
+            rng = np.random.default_rng(seed)
+            kvm, store = self.eng.kv, self.eng.store
+            for row, sid in enumerate(self.runner.ids):
+                toks = rng.integers(0, cfg.vocab_size, context).astype(np.int32)
+                kvm.add_sequence(sid, toks)
+                kvm.reserve(sid, context)
+                kvm.commit(sid, toks)
+                pages = kvm.seqs[sid].pages
+                shape = (cfg.num_layers, cfg.num_kv_heads, len(pages), block_size, cfg.head_dim)
+                kk, kv, key = jax.random.split(key, 3)
+                store.scatter(pages, jax.random.normal(kk, shape, dt), jax.random.normal(kv, shape, dt))
+                jax.block_until_ready(store.device)
+                if store.device.digests is not None:
+                    self._fill_digests(np.asarray(kvm.seqs[sid].pages, np.int32), context, seed + row)
         else:
-            self.runner = ContiguousRunner(self.eng.ctx, 1, self.stats)
+            self.runner = ContiguousRunner(self.eng.ctx, batch, self.stats)
             c = self.runner.cache
-            shape = (cfg.num_layers, 1, context, cfg.num_kv_heads, cfg.head_dim)
+            shape = (cfg.num_layers, batch, context, cfg.num_kv_heads, cfg.head_dim)
             self.runner.cache = c._replace(k=c.k.at[:, :, :context].set(jax.random.normal(kk, shape, dt)),
                                            v=c.v.at[:, :, :context].set(jax.random.normal(kv, shape, dt)))
             jax.block_until_ready(self.runner.cache)
-        self.lengths = np.array([context], np.int32)
-        self.next_tok = np.array([1], np.int32)
+        self.lengths = np.full(batch, context, np.int32)
+        self.next_tok = np.ones(batch, np.int32)
         self.steps = 0
+        self._loop = LoopSpec(k=steps_per_call)  # greedy, no EOS: every call runs k steps
+        self._key = jax.random.key(seed)
 
     def _fill_digests(self, pages: np.ndarray, context: int, seed: int):
         """Digests of the filled pages, layer by layer (bounded temporaries), via `digests.update`."""
@@ -103,20 +109,32 @@ class DecodeHarness:
                 raise AssertionError(f"digest of page {j} (layer {layer}) does not match its keys.")
 
     def step(self):
-        if self.lengths[0] >= self.capacity:
+        """One decode step per row (k = 1), or one call of k steps (the engine's k-step program,
+        greedy on device); returns the steps taken."""
+        k = self.k
+        if self.lengths[0] + k > self.capacity:
             raise RuntimeError(f"harness ran past its capacity of {self.capacity} tokens; "
                                f"raise new_tokens.")
-        logits = self.runner.decode(self.next_tok, self.lengths)
-        self.next_tok = np.asarray(np.argmax(np.asarray(logits), axis=-1), np.int32)  # syncs
-        self.lengths += 1
-        self.steps += 1
+        if k == 1:
+            logits = self.runner.decode(self.next_tok, self.lengths)
+            self.next_tok = np.asarray(np.argmax(np.asarray(logits), axis=-1), np.int32)  # syncs
+        else:
+            B = self.batch
+            out = self.runner.decode_many(LoopInputs(self.next_tok, self.lengths, np.arange(B, dtype=np.uint32),
+                                                     self._key, np.zeros(B, bool), np.int32(k)), self._loop)
+            assert out.steps == k, out.steps
+            self.next_tok = out.tokens[:, -1]  # fetched to the host (the call has finished)
+        self.lengths = self.lengths + k
+        self.steps += k
+        return k
 
     def timed(self, n: int) -> float:
-        """Seconds per step, averaged over n consecutive steps."""
+        """Seconds per decode step, averaged over n consecutive steps (n / k calls)."""
+        calls = max(1, n // self.k)
         t0 = time.perf_counter()
-        for _ in range(n):
+        for _ in range(calls):
             self.step()
-        return (time.perf_counter() - t0) / n
+        return (time.perf_counter() - t0) / (calls * self.k)
 
     @property
     def kv_bytes_per_step(self) -> float:

@@ -15,6 +15,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from gemini_jax.attention.paged_decode import decode_over_pages
 from gemini_jax.attention.sparse import sparse_attention
 from gemini_jax.attention.views import PageView, Selection
 from gemini_jax.config import ModelConfig
@@ -81,6 +82,9 @@ def attend_pages(spec: AttentionImpl, queries, kv_layer, view: PageView, window)
         return _by_window(spec, window, lambda w: lambda: paged_decode_attention(
             q[:, 0], k_layer, v_layer, view.tables, view.lengths, sm_scale=spec.scale, soft_cap=spec.cap,
             sliding_window=(w or None), interpret=spec.interpret, platform=kernel_platform(spec))[:, None])
+    if q.shape[1] == 1 and jax.default_backend() == "cpu":
+        # One query per row on a CPU: row by row, chunk by chunk (see `paged_decode`).
+        return decode_over_pages(queries, kv_layer, view, window, scale=spec.scale, cap=spec.cap)
     kk = gather_pages(k_layer, view.tables)
     vv = gather_pages(v_layer, view.tables)
     k_pos = jnp.broadcast_to(jnp.arange(kk.shape[1], dtype=jnp.int32), kk.shape[:2])

@@ -1,0 +1,72 @@
+"""Decode attention (one query per row) over every page of the block tables, on the XLA path.
+
+The general path (`dispatch.attend_pages` for prefill chunks) gathers a row's pages into one
+[B, W*S, K, D] buffer and runs `layers.dense_attention`. For a single query that costs several
+times the bytes it must read on a CPU: the gathered copy of every page is written and read
+again from memory, and the score product has the layout XLA runs slowest. Measured on the
+2-core CPU, one layer at 16K context: 17 ms against 0.7 ms to read the same K and V once.
+
+Here each row is attended on its own (`lax.map`) and its pages in chunks of `CHUNK_PAGES`
+(`lax.scan`, online softmax): a chunk's gathered K and V stay in cache between the gather and
+the two products, and the products are laid out [kv head, keys, group] so each is a plain
+matrix product. Same softmax, summed in parts: equal to `dense_attention` up to rounding.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from gemini_jax.model import layers
+
+CHUNK_PAGES = 64  # pages per chunk: 64 x 16 tokens x 64 dims x 4 bytes = 256 KiB of K per kv head
+
+
+def decode_over_pages(queries, kv_layer, view, window, *, scale: float, cap=None, chunk_pages: int = CHUNK_PAGES):
+    """queries = (q [B, 1, H, D], q_pos [B, 1]), kv_layer = (k, v) [K, P, S, D], view = (tables
+    i32[B, W], lengths i32[B]) -> [B, 1, H, D]."""
+    q, q_pos = queries
+    k_layer, v_layer = kv_layer
+    tables, lengths = view
+    B, _, H, D = q.shape
+    K, _, S, _ = k_layer.shape
+    G = H // K
+    W = tables.shape[1]
+    C = min(chunk_pages, W)
+    n_chunks = -(-W // C)
+    # Padding pages are the null page at positions >= lengths: masked.
+    tables = jnp.pad(tables, ((0, 0), (0, n_chunks * C - W))).reshape(B, n_chunks, C)
+
+    def row(args):
+        qr, pos, table, length = args  # [H, D], [], [n_chunks, C], []
+        qg = qr.reshape(K, G, D)
+
+        def chunk(carry, xs):
+            m, l, acc = carry  # [K, G], [K, G], [K, G, D]
+            pages, c = xs
+            kk = k_layer[:, pages].reshape(K, C * S, D).astype(q.dtype)
+            vv = v_layer[:, pages].reshape(K, C * S, D).astype(q.dtype)
+            s = jax.lax.dot_general(kk, qg, (((2,), (2,)), ((0,), (0,))),
+                                    preferred_element_type=jnp.float32) * scale  # [K, C*S, G]
+            s = layers.softcap(s, cap)
+            k_pos = c * C * S + jnp.arange(C * S, dtype=jnp.int32)
+            diff = pos - k_pos
+            ok = (k_pos < length) & (diff >= 0) & ((window <= 0) | (diff < window))  # [C*S]
+            s = jnp.where(ok[None, :, None], s, layers.NEG_INF)
+            m_new = jnp.maximum(m, jnp.max(s, axis=1))
+            p = jnp.where(ok[None, :, None], jnp.exp(s - m_new[:, None, :]), 0.0)
+            alpha = jnp.exp(m - m_new)
+            l = l * alpha + jnp.sum(p, axis=1)
+            # Zero V where masked: a masked slot may hold anything (even NaN in a poisoned pool).
+            vv = jnp.where(ok[None, :, None], vv, 0)
+            pv = jax.lax.dot_general(p.astype(vv.dtype), vv, (((1,), (1,)), ((0,), (0,))),
+                                     preferred_element_type=jnp.float32)  # [K, G, D]
+            return (m_new, l, acc * alpha[..., None] + pv), None
+
+        init = (jnp.full((K, G), layers.NEG_INF, jnp.float32), jnp.zeros((K, G), jnp.float32),
+                jnp.zeros((K, G, D), jnp.float32))
+        (m, l, acc), _ = jax.lax.scan(chunk, init, (table, jnp.arange(n_chunks, dtype=jnp.int32)))
+        return (acc / jnp.maximum(l, 1e-30)[..., None]).reshape(H, D)
+
+    out = jax.lax.map(row, (q[:, 0], q_pos[:, 0], tables, lengths))
+    return out[:, None].astype(q.dtype)
