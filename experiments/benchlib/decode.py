@@ -128,8 +128,19 @@ class DecodeHarness:
         self.steps += k
         return k
 
+    def rewind(self):
+        """Back to `context` tokens, so every timed run decodes the same positions (and the same
+        block-table widths, compiled by a first run)."""
+        if self.kind == "paged":
+            for sid in self.runner.ids:
+                if self.eng.kv.truncate(sid, self.context):
+                    raise RuntimeError("rewind needs a context that is a multiple of the block size.")
+        self.lengths = np.full(self.batch, self.context, np.int32)
+
     def timed(self, n: int) -> float:
-        """Seconds per decode step, averaged over n consecutive steps (n / k calls)."""
+        """Seconds per decode step, averaged over n consecutive steps (n / k calls) from `context`
+        tokens (rewound first)."""
+        self.rewind()
         calls = max(1, n // self.k)
         t0 = time.perf_counter()
         for _ in range(calls):

@@ -50,7 +50,6 @@ class PageRunner(abc.ABC):
 
     def decode(self, nxt, lengths):
         """One token per sequence (`nxt` i32[B]) at positions `lengths` i32[B]; next logits."""
-        ctx = self.ctx
         for sid, n in zip(self.ids, lengths):
             self._reserve(sid, int(n) + 1)
         logits, (page_reads, key_reads, width) = self._call(StepBatch.decode_step(self.ids, nxt, lengths))
