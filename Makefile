@@ -34,10 +34,11 @@ test-slow: $(VENV)/.installed-test
 bench: $(VENV)/.installed-test
 	$(PY) experiments/bench.py
 
-# Regenerate the README's results tables: `make results SUBSET=needle` (bpb, fullstack; default all).
-# Long: `python experiments/results.py --list` gives each job's rough CPU minutes.
+# Regenerate the README's results tables: `make results SUBSET=needle` (bpb, fullstack, exactness,
+# decode; default all). Long: `python experiments/results.py --list` gives each job's rough CPU
+# minutes. The decode subset compares with transformers (the hf extra, as `make bench`).
 SUBSET ?= all
-results: $(VENV)/.installed
+results: $(VENV)/.installed-test
 	$(PY) experiments/results.py $(SUBSET) --render
 
 clean:

@@ -21,7 +21,7 @@
 #
 # Results: OUTDIR/SUMMARY.md (one line per step, then the kernel report), OUTDIR/<step>.log,
 # OUTDIR/gpu_kernels.{json,md} (experiments/gpu_kernels.py), OUTDIR/kernel_tests.xml,
-# OUTDIR/bench/BENCH.md + bench.json.
+# OUTDIR/bench/BENCH.md + bench.json, OUTDIR/decode_steps/BENCH.md + bench.json (k-step decode).
 
 set -uo pipefail
 
@@ -139,7 +139,13 @@ else
   echo "| kernel_tests | skipped (no pytest) | 0 | |" >> "$SUMMARY"
 fi
 
-# ---- 6. benchmark ---------------------------------------------------------------------------
+# ---- 6. decode with k tokens per device program: tokens/s and fraction of the bandwidth bound,
+# k = 1 / 4 / 8 / 16, batch 1 and 8 (no torch needed) ---------------------------------------------
+DECODE_ARGS=()
+((DRY_RUN)) && DECODE_ARGS=(--quick)
+step decode_steps 150 "$PY" experiments/bench.py ${DECODE_ARGS[@]+"${DECODE_ARGS[@]}"} --rows decode_bandwidth --out "$OUT/decode_steps"
+
+# ---- 7. benchmark ---------------------------------------------------------------------------
 BENCH_ROWS=()
 if ! "$PY" -c "import torch, transformers" >/dev/null 2>&1 && [[ "$BENCH_ARGS" != *--rows* ]]; then
   # dense_vs_hf needs torch + transformers (the hf extra, multi-GB): skip it rather than install.
@@ -149,7 +155,7 @@ fi
 # shellcheck disable=SC2086  # BENCH_ARGS is a list of words on purpose
 step bench 150 "$PY" experiments/bench.py $BENCH_ARGS ${BENCH_ROWS[@]+"${BENCH_ROWS[@]}"} --out "$OUT/bench"
 
-# ---- 7. summary -----------------------------------------------------------------------------
+# ---- 8. summary -----------------------------------------------------------------------------
 {
   echo
   echo "Total: $(( $(date +%s) - START )) s. Device: $(tail -n +2 "$OUT/gpu.csv" 2>/dev/null | head -1)."

@@ -5,7 +5,7 @@
     python experiments/results.py needle --missing       # only jobs whose record file is absent
     python experiments/results.py --render               # rewrite the README's generated tables
 
-Each job is an `experiments/run.py` command; it writes its record (command, config, commit, split,
+Each job is an `experiments/run.py` (or `bench.py`) command; it writes its record (command, config, commit, split,
 seeds, records) under experiments/results/. `--render` rebuilds the README blocks between
 `<!-- results:NAME -->` and `<!-- /results:NAME -->` from those files alone, so a table in the
 README is never typed by hand; tests/test_results_files.py checks that the README's blocks are
@@ -33,8 +33,9 @@ DEPTHS5 = "[0.1,0.3,0.5,0.7,0.9]"
 @dataclass(frozen=True)
 class Job:
     record: str          # <study>/<name>: the record file stem under experiments/results/
-    overrides: tuple     # experiments/run.py overrides
+    overrides: tuple     # the script's arguments (experiments/run.py: Hydra overrides)
     minutes: int         # rough CPU minutes on a 2-core machine (for --list)
+    script: str = "run.py"  # under experiments/
 
     @property
     def path(self) -> str:
@@ -76,6 +77,9 @@ SUBSETS: dict[str, list[Job]] = {
     ],
     "fullstack": [Job("fullstack/make_run", (), 2)],
     "exactness": [Job("exactness/exactness", ("experiment=exactness",), 4)],
+    # k tokens per device program against transformers and the bandwidth bound (bench rows).
+    "decode": [Job("bench_decode/bench", ("--rows", "decode_steps_vs_hf,decode_bandwidth",
+                                          "--out", "experiments/results/bench_decode"), 35, script="bench.py")],
 }
 
 
@@ -86,7 +90,7 @@ def run_subset(name: str, *, missing_only: bool) -> int:
         if missing_only and os.path.exists(job.path):
             print(f"[{name} {i}/{len(jobs)}] {job.record}: record exists, skipped (--missing)", flush=True)
             continue
-        cmd = [sys.executable, os.path.join(ROOT, "experiments", "run.py"), *job.overrides]
+        cmd = [sys.executable, os.path.join(ROOT, "experiments", job.script), *job.overrides]
         print(f"[{name} {i}/{len(jobs)}] {job.record} (~{job.minutes} min): {' '.join(cmd[1:])}", flush=True)
         t0 = time.perf_counter()
         rc = subprocess.run(cmd, cwd=ROOT).returncode
@@ -112,7 +116,7 @@ def main(argv=None) -> int:
             print(f"{n} (~{sum(j.minutes for j in jobs)} min)")
             for j in jobs:
                 print(f"  {j.record:<36} {'present' if os.path.exists(j.path) else 'absent ':<8} "
-                      f"run.py {' '.join(j.overrides)}")
+                      f"{j.script} {' '.join(j.overrides)}")
         return 0
     failed = sum(run_subset(n, missing_only=args.missing) for n in names)
     if args.render:

@@ -181,7 +181,42 @@ def exactness_block(results_dir: str) -> str:
                                  f"seed {rec['seeds'][0]}."])
 
 
-BLOCKS = {"needle": needle_block, "bpb": bpb_block, "make_run": make_run_block, "exactness": exactness_block}
+def _mark(rec) -> str:
+    return "" if "goal_met" not in rec else (" ✓" if rec["goal_met"] else " ✗")
+
+
+def decode_block(results_dir: str) -> str:
+    rec = _load(results_dir, "bench_decode/bench")
+    if rec is None:
+        return _missing("decode")
+    hf = rec["rows"]["decode_steps_vs_hf"]["records"]
+    bw = rec["rows"]["decode_bandwidth"]["records"]
+    ks = sorted({int(r["variant"].split("=")[1]) for r in hf if r["variant"] != "transformers"})
+    rows = ["| prompt | batch | transformers tokens/s | " + " | ".join(f"k={k}: ours / HF" for k in ks) + " |",
+            "|---|---|---|" + "---|" * len(ks)]
+    for plen, batch in dict.fromkeys((r["prompt_len"], r["batch"]) for r in hf):
+        cell = {r["variant"]: r for r in hf if (r["prompt_len"], r["batch"]) == (plen, batch)}
+        base = cell["transformers"]
+        rows.append(f"| {plen} | {batch} | {base['tokens_per_s']:.1f} | " + " | ".join(
+            f"{c['vs_hf_ratio']:.2f}× ({c['vs_hf_ratio_min']:.2f}–{c['vs_hf_ratio_max']:.2f}){_mark(c)}"
+            for c in (cell[f"ours k={k}"] for k in ks)) + " |")
+    rows += ["", "| context | batch | " + " | ".join(f"k={k}: of bound (tokens/s)" for k in ks) + " |",
+             "|---|---|" + "---|" * len(ks)]
+    for context, batch in dict.fromkeys((r["context"], r["batch"]) for r in bw):
+        cell = {r["k"]: r for r in bw if (r["context"], r["batch"]) == (context, batch)}
+        rows.append(f"| {context} | {batch} | " + " | ".join(
+            f"{c['fraction_of_bound']:.0%} ({batch / c['step_seconds_median']:.1f}){_mark(c)}"
+            for c in (cell[k] for k in ks)) + " |")
+    gbs = bw[0]["bandwidth_gbs"] if bw else float("nan")
+    return "\n".join(rows + ["", f"Goals: batch 1 at 2K ≥ 2× transformers; ≥ 60% of the bandwidth bound "
+                                 f"(weights + KV bytes per step at the {gbs:.1f} GB/s measured in the same run) "
+                                 f"at 16K. Ratios are medians of per-repeat ratios (min–max), all variants "
+                                 f"interleaved in one process. From [BENCH.md](experiments/results/bench_decode/BENCH.md) "
+                                 f"(raw: `bench.json`), commit `{rec['commit'][:7]}`, seed {rec['seeds'][0]}."])
+
+
+BLOCKS = {"needle": needle_block, "bpb": bpb_block, "make_run": make_run_block, "exactness": exactness_block,
+          "decode": decode_block}
 
 
 def render(text: str, results_dir: str) -> tuple[str, int]:

@@ -45,3 +45,21 @@ def build_llama(seed: int, with_hf: bool = True) -> BenchModel:
             f"vocab {s['vocab_size']}, {ours.cfg.num_params() / 1e6:.1f}M params, fp32; saved with "
             f"save_pretrained (safetensors) and loaded into gemini_jax with gj.load_hf")
     return BenchModel(path, ours, hf if with_hf else None, desc)
+
+
+def build_llama_jax(seed: int) -> BenchModel:
+    """The same Llama shape initialised by gemini_jax alone (random weights, no transformers):
+    for rows that time our engine only, on machines without torch (e.g. a GPU box)."""
+    import gemini_jax as gj
+    from gemini_jax.testing import random_model
+
+    s = LLAMA_SHAPE
+    cfg = gj.ModelConfig(family="llama", vocab_size=s["vocab_size"], hidden_size=s["hidden_size"],
+                         intermediate_size=s["intermediate_size"], num_layers=s["num_hidden_layers"],
+                         num_heads=s["num_attention_heads"], num_kv_heads=s["num_key_value_heads"],
+                         head_dim=s["hidden_size"] // s["num_attention_heads"],
+                         max_position=s["max_position_embeddings"], norm_eps=s["rms_norm_eps"],
+                         rope=gj.RopeConfig(theta=s["rope_theta"]), tie_embeddings=s["tie_word_embeddings"])
+    ours = random_model(cfg, seed)
+    return BenchModel("", ours, None, f"random-init Llama shape of the other rows, built by gemini_jax "
+                                      f"({ours.cfg.num_params() / 1e6:.1f}M params, fp32; no transformers)")

@@ -11,7 +11,7 @@ import gemini_jax as gj
 from gemini_jax.config import CacheConfig
 from benchlib.decode import DecodeHarness
 from benchlib.registry import Context, RowResult, row
-from benchlib.rows.common import close_harnesses, llama
+from benchlib.rows.common import close_harnesses, llama, llama_weights
 from benchlib.rows.dense_vs_hf import _Stamps
 from benchlib.timing import fmt_ms, fmt_ratio, interleaved, md_table, median, ratio_stats
 
@@ -114,7 +114,7 @@ def weight_bytes_per_step(model, batch: int) -> int:
 def decode_bandwidth(ctx: Context) -> RowResult:
     s = ctx.pick(quick=dict(contexts=[256, 1024], batches=[1, 2], steps=16, repeats=3),
                  full=dict(contexts=[1024, 4096, 16384], batches=[1, 8], steps=32, repeats=5))
-    model = llama(ctx).ours
+    model = llama_weights(ctx).ours
     bw = ctx.bandwidth["reference_gbs"] * 1e9
     recs, table = [], []
     for context in tqdm(s["contexts"], desc="decode_bandwidth: contexts"):
