@@ -129,13 +129,14 @@ class DecodeHarness:
         return k
 
     def rewind(self):
-        """Back to `context` tokens, so every timed run decodes the same positions (and the same
-        block-table widths, compiled by a first run)."""
+        """Back to `context` tokens and the first input token, so every timed run decodes the same
+        positions and tokens (and the same block-table widths, compiled by a first run)."""
         if self.kind == "paged":
             for sid in self.runner.ids:
                 if self.eng.kv.truncate(sid, self.context):
                     raise RuntimeError("rewind needs a context that is a multiple of the block size.")
         self.lengths = np.full(self.batch, self.context, np.int32)
+        self.next_tok = np.ones(self.batch, np.int32)
 
     def timed(self, n: int) -> float:
         """Seconds per decode step, averaged over n consecutive steps (n / k calls) from `context`
