@@ -283,6 +283,43 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+LINK_MODES = ("real", "emulate")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinkConfig:
+    """The links pages cross on their way to the device, for `tier.link="emulate"`.
+
+    Each hop is a pipe of `*_gbs` GB/s that transfers share in issue order, with at most
+    `queue_depth` transfers in flight and `*_latency_us` paid by each (after its bytes); a disk
+    transfer also takes at least its 4 KiB reads / `disk_iops`. A page from disk crosses the disk
+    hop, then the host link. Defaults: PCIe 4.0 x16 (~25 GB/s) and a PCIe 4.0 NVMe drive.
+    `time_scale` multiplies every modeled time: a machine that computes a step N times slower
+    than the hardware it stands for sees its transfers N times slower too, so the overlap of
+    transfers and compute is the hardware's (`gemini_jax.tiers.link.scale_for`).
+    """
+
+    host_gbs: float = 25.0
+    host_latency_us: float = 10.0
+    disk_gbs: float = 7.0
+    disk_iops: float = 1_000_000.0
+    disk_latency_us: float = 80.0
+    queue_depth: int = 8
+    time_scale: float = 1.0
+
+    def __post_init__(self):
+        for name in ("host_gbs", "disk_gbs", "disk_iops", "time_scale"):
+            v = getattr(self, name)
+            _require(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0,
+                     f"tier.link_model.{name}={v!r} must be a number > 0.")
+        for name in ("host_latency_us", "disk_latency_us"):
+            v = getattr(self, name)
+            _require(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0,
+                     f"tier.link_model.{name}={v!r} must be a number >= 0.")
+        _require(_is_int(self.queue_depth) and self.queue_depth >= 1,
+                 f"tier.link_model.queue_depth={self.queue_depth!r} must be an integer >= 1.")
+
+
 @dataclass(frozen=True, kw_only=True)
 class TierConfig:
     """Tiers below the device page pool.
@@ -315,6 +352,16 @@ class TierConfig:
     step allows it (no dense layers, no mesh, one layer's selection fits the slots); False runs
     every step layer by layer from the host. Never changes numbers.
 
+    `link`: "real" — a fetched page is there when its copy is done (on this machine, a copy on
+    the cores that also compute); "emulate" — it lands when `link_model` (bandwidth, latency,
+    queue depth, disk IOPS of each hop) says it would, the wait spent asleep, so transfers and
+    compute overlap as across a real link. Prefetch hits count pages that had landed when their
+    layer needed them.
+
+    `on_corrupt`: what a page below the device that fails verification does: "raise" stops the
+    call with `IntegrityError`; "recompute" rebuilds the page by replaying the calls that wrote
+    it (`gemini_jax.tiers.write_log`) and runs the call again (counter `pages_recomputed`).
+
     Hot zone: the first `pin_sink_pages` and last `pin_local_pages` pages of every sequence are
     pinned on device; a page selected in at least `hot_threshold` of the last `hot_window` decode
     steps (per layer) is pinned too (`hot_threshold` 0 = off).
@@ -339,8 +386,12 @@ class TierConfig:
     hot_threshold: int = 0
     hot_window: int = 32
     fused_decode: bool = True
+    link: str = "real"
+    link_model: LinkConfig = field(default_factory=LinkConfig)
 
     def __post_init__(self):
+        _nested(self, "link_model", LinkConfig)
+        _require(self.link in LINK_MODES, f"tier.link={self.link!r} must be one of {LINK_MODES}.")
         dp, df = self.device_pages, self.device_fraction
         _require(dp is None or (_is_int(dp) and dp >= 1),
                  f"tier.device_pages={dp!r} must be None (the whole pool) or an integer >= 1.")

@@ -12,7 +12,7 @@ from gemini_jax.config import EngineConfig, ModelConfig
 COUNTERS = (
     "prefill_tokens_computed", "prefill_tokens_reused", "decode_steps", "kv_bytes_read",
     "digest_bytes_read", "pages_selected", "pages_fetched_host", "pages_fetched_disk",
-    "prefetch_hits", "prefetch_misses", "stall_seconds", "compute_units",
+    "prefetch_hits", "prefetch_misses", "stall_seconds", "compute_units", "pages_recomputed",
 )
 
 
@@ -33,6 +33,7 @@ class Counters(Mapping):
     prefetch_misses: int = 0
     stall_seconds: float = 0.0
     compute_units: int = 0
+    pages_recomputed: int = 0  # (layer, page) units below the device that failed verification and were rebuilt
 
     def __getitem__(self, name: str):
         if name not in COUNTERS:

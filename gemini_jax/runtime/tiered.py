@@ -54,7 +54,9 @@ from gemini_jax.runtime.context import RunContext
 from gemini_jax.runtime.counters import Counters
 from gemini_jax.runtime.fused import FusedDecode
 from gemini_jax.runtime.paged import PageRunner
+from gemini_jax.tiers.errors import PageCorrupt
 from gemini_jax.tiers.kv_store import TieredStore
+from gemini_jax.tiers.write_log import WriteSpan
 
 
 # ---- jitted pieces (pure; the host loop strings them together) --------------------------------
@@ -151,6 +153,7 @@ class TieredRunner(PageRunner):
         self.unrope = self.inv_freq if sp.enabled and sp.score_distance > 0 else None
         self.layer_args = [LayerArrays(i, w) for i, w in zip(self.store.layer_ids, self.store.windows)]
         self.fused = FusedDecode(self.store, ctx)
+        self._replaying = 0  # >0 while `_recompute` replays calls (they are already in the write log)
 
     # ---- bookkeeping ----------------------------------------------------------------------------
     def _reserve(self, sid, total):
@@ -170,8 +173,57 @@ class TieredRunner(PageRunner):
         fixed |= store.hot.fixed(bt, starts, block_size=S) | store.hot.fixed(bt, ends, block_size=S)
         store.slots.set_pins("fixed", fixed)
 
-    # ---- one call, layer by layer -----------------------------------------------------------------
+    # ---- one call, rebuilding pages that fail verification -----------------------------------------
     def _call(self, batch: StepBatch):
+        """Run one call. With `tier.on_corrupt="recompute"`, a page that fails verification below
+        the device (`PageCorrupt`) is rebuilt by replaying the calls that wrote it, and the call
+        runs again: its state changes repeat exactly (K/V written at the same positions, digests
+        recomputed from the pages' contents), so the retry's result is a clean run's."""
+        if not self._replaying:
+            for sid, start, end in zip(batch.ids, batch.starts, batch.ends):
+                self.store.writes.record(self.ctx.kv.seqs[sid].pages,
+                                         WriteSpan(int(start), int(end - start), batch.width, batch.decode))
+        rebuilt = set()
+        while True:
+            try:
+                return self._call_once(batch)
+            except PageCorrupt as err:
+                if self.store.tc.on_corrupt != "recompute" or err.key in rebuilt:
+                    raise  # a page rebuilt within this call failed again: the disk keeps corrupting it
+                self._recompute(err.key)
+                rebuilt.add(err.key)
+
+    def _recompute(self, key) -> None:
+        """Rebuild page `key` (all its layers): replay, one sequence at a time, the calls that wrote
+        it. A page read by a replay that is corrupt too is rebuilt first (the replay's own `_call`)."""
+        ctx, layer, page = self.ctx, *key
+        found = self.store.writes.spans(page)
+        holder = None if found is None else next(
+            (sid for sid, seq in ctx.kv.seqs.items()
+             if len(seq.pages) > found[0] and seq.pages[found[0]] == page and seq.num_tokens >= (found[0] + 1) * self.store.S),
+            None)
+        if holder is None:
+            raise PageCorrupt(f"page (layer={layer}, page={page}) failed verification below the device and cannot "
+                              f"be recomputed: no call of this engine wrote it (it was restored from a snapshot or "
+                              f"copied on a rewind). Restore the snapshot again.", key)
+        toks = np.asarray(ctx.kv.seqs[holder].tokens, np.int32)
+        self._replaying += 1
+        try:
+            for sp in found[1]:
+                padded = np.zeros(sp.width, np.int32)
+                padded[:sp.n] = toks[sp.start:sp.start + sp.n]
+                self._call(StepBatch(ids=(holder,), tokens=padded[None],
+                                     positions=np.arange(sp.start, sp.start + sp.width, dtype=np.int32)[None],
+                                     starts=np.array([sp.start], np.int32), ends=np.array([sp.start + sp.n], np.int32),
+                                     select=np.array([sp.n - 1], np.int32), decode=sp.decode))
+        finally:
+            self._replaying -= 1
+        if (layer, page) not in self.store.below:  # the replay's last call fills the page and stores it below
+            raise PageCorrupt(f"page (layer={layer}, page={page}): replaying its calls did not refill it.", key)
+        self.stats.pages_recomputed += 1
+
+    # ---- one call, layer by layer -----------------------------------------------------------------
+    def _call_once(self, batch: StepBatch):
         ctx, store = self.ctx, self.store
         cfg, sp = ctx.model_cfg, ctx.config.sparse
         S, L = store.S, cfg.num_layers

@@ -26,4 +26,14 @@ class IncompletePage(IntegrityError):
     It is never served; recompute it or restore it from a snapshot."""
 
 
-__all__ = ["IncompletePage", "IntegrityError", "PageMissing", "TierError"]
+class PageCorrupt(IntegrityError):
+    """A page below the device failed verification (bad checksum, torn write) while
+    `tier.on_corrupt="recompute"`: the runner rebuilds it from its tokens and runs the call
+    again. `key` = (layer, page id). Reaches the caller only when the page cannot be rebuilt."""
+
+    def __init__(self, message: str, key):
+        super().__init__(message)
+        self.key = (int(key[0]), int(key[1]))
+
+
+__all__ = ["IncompletePage", "IntegrityError", "PageCorrupt", "PageMissing", "TierError"]

@@ -24,12 +24,15 @@ from gemini_jax.attention import digests as page_digests
 from gemini_jax.cache.shapes import pow2_at_least
 from gemini_jax.cache.store import DeviceKV
 from gemini_jax.config import EngineConfig, ModelConfig
-from gemini_jax.tiers.errors import TierError
+from gemini_jax.errors import IntegrityError
+from gemini_jax.tiers.errors import PageCorrupt, TierError
+from gemini_jax.tiers.link import Links
 from gemini_jax.tiers.page import PageSpec
 from gemini_jax.tiers.prefetch import Predictor, Prefetcher
 from gemini_jax.tiers.residency import DeviceSlots, HotZone
 from gemini_jax.tiers.sharded import ShardedTierStack
 from gemini_jax.tiers.stack import TierStack
+from gemini_jax.tiers.write_log import WriteLog
 
 
 @functools.partial(jax.jit, donate_argnums=(0, 1))
@@ -87,10 +90,12 @@ class TieredStore:
                              head_dim=cfg.head_dim, dtype=jnp.dtype(self.dtype).name)
         shards = 1 if self.mesh is None else self.mesh.shape["model"]
         self.stack = TierStack(self.spec, tc) if shards == 1 else ShardedTierStack(self.spec, tc, shards)
-        self.prefetcher = Prefetcher(self.stack, capacity=tc.staging_pages, workers=tc.io_workers)
+        links = Links(tc.link_model, self.spec.page_bytes) if tc.link == "emulate" else None
+        self.prefetcher = Prefetcher(self.stack, capacity=tc.staging_pages, workers=tc.io_workers, links=links)
         self.predictor = Predictor(tc, L, block_size=S)
         self.hot = HotZone(tc, L)
         self.below: set = set()
+        self.writes = WriteLog(S)  # which calls wrote each page (on_corrupt="recompute" replays them)
         self.fused_steps = 0  # decode steps run as one device program (runtime.fused)
         self.fused_program_seconds = 0.0  # time in those programs (their host callbacks included)
         self.np_dtype = self.spec.np_dtype
@@ -136,6 +141,7 @@ class TieredStore:
                 self.stack.discard(key)
                 self.prefetcher.invalidate(key)
                 self.below.discard(key)
+        self.writes.forget(pages)
 
     def admit(self, layer: int, pages, *, fetch=True) -> None:
         """Make `pages` of `layer` resident together. Misses are read from below when `fetch` is
@@ -149,7 +155,15 @@ class TieredStore:
                 missing_keys.append(a.key)
                 missing_slots.append(a.slot)
         if missing_keys:
-            self._fill(layer, missing_keys, missing_slots)
+            try:
+                self._fill(layer, missing_keys, missing_slots)
+            except Exception:
+                # Nothing was written into the slots: they must not claim the pages (a retry would
+                # take them for hits and read whatever the slots held before).
+                for key in missing_keys:
+                    self.slots.release(key)
+                    self.page_to_slot[key] = 0
+                raise
 
     def place(self, a) -> None:
         """Record an `Admission` in `page_to_slot` (the evicted key, if any, leaves its slot)."""
@@ -163,9 +177,9 @@ class TieredStore:
             raise TierError(f"page (layer={key[0]}, page={key[1]}) is needed on device but no tier holds "
                             f"its current content (a partial page must stay pinned: tier.pin_local_pages).")
         page = self.prefetcher.get(key)
-        if page is None:  # on_corrupt="recompute": the stack refused a bad page
-            raise TierError(f"page (layer={key[0]}, page={key[1]}) failed verification and recomputing "
-                            f"pages is not supported by the engine; set tier.on_corrupt='raise'.")
+        if page is None:  # on_corrupt="recompute": the stack refused a bad page; the runner rebuilds it
+            raise PageCorrupt(f"page (layer={key[0]}, page={key[1]}) failed verification below the device and "
+                              f"could not be recomputed here.", key)
         return page
 
     def prefetch(self, keys) -> None:
@@ -231,9 +245,12 @@ class TieredStore:
             for i, p in enumerate(pages):
                 if p == 0 or self.page_to_slot[layer, p] != 0:
                     continue
-                page = self.stack.get((layer, p)) if (layer, p) in self.below else None
-                if page is None:
+                if (layer, p) not in self.below:
                     raise TierError(f"page (layer={layer}, page={p}) is neither on device nor in a tier below.")
+                page = self.stack.get((layer, p))
+                if page is None:  # on_corrupt="recompute" rebuilds pages a step reads, not pages copied out
+                    raise IntegrityError(f"page (layer={layer}, page={p}) failed verification on disk; a snapshot "
+                                         f"or rewind cannot copy it (a decode step would have recomputed it).")
                 k[layer, :, i], v[layer, :, i] = page.k, page.v
         dig = None if self._kv.digests is None else np.asarray(self._kv.digests[:, :, np.asarray(pages, np.int32)])
         return k, v, dig

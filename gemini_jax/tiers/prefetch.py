@@ -27,6 +27,7 @@ from typing import Iterable, Optional, Protocol
 import numpy as np
 
 from gemini_jax.config import TierConfig
+from gemini_jax.tiers.link import Links
 from gemini_jax.tiers.page import PageKey
 from gemini_jax.tiers.stack import Fetched
 
@@ -120,10 +121,15 @@ class Prefetcher:
     pages_fetched_host, pages_fetched_disk, stall_seconds.
     """
 
-    def __init__(self, source: PageSource, *, capacity: int = 256, workers: int = 4, batch: int = 16):
+    def __init__(self, source: PageSource, *, capacity: int = 256, workers: int = 4, batch: int = 16,
+                 links: Optional[Links] = None):
         self.source = source
         self.capacity = capacity
         self.batch = batch
+        # Emulated links (tier.link="emulate"): a staged page counts as arrived only from the time
+        # the link model lands it; None: when its read is done.
+        self.links = links
+        self._land: dict[PageKey, float] = {}
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="gj-prefetch")
         # key -> the future of the batch that reads it; a batch's result maps its keys to pages
         # (or to the exception reading that one key raised). One future per batch, not per key:
@@ -165,9 +171,22 @@ class Prefetcher:
     def _pop(self, key: PageKey) -> Optional[Future]:
         """Unstage `key` (lock held)."""
         fut = self._staged.pop(key, None)
+        self._land.pop(key, None)
         if fut is not None:
             self._by_layer[key[0]].discard(key)
         return fut
+
+    def _tier(self, key: PageKey) -> str:
+        """Where a page will come from, for the link model ("host" when the source cannot say)."""
+        tier_of = getattr(self.source, "tier_of", None)
+        return (tier_of(key) if tier_of is not None else None) or "host"
+
+    def _wait_link(self, land: Optional[float]) -> None:
+        """Sleep until an emulated transfer lands (no CPU spent, as on a DMA)."""
+        if land is not None:
+            left = land - time.perf_counter()
+            if left > 0:
+                time.sleep(left)
 
     @staticmethod
     def _page(fut: Future, key: PageKey) -> Optional[Fetched]:
@@ -193,6 +212,11 @@ class Prefetcher:
                     todo.append(key)
             for i in range(0, len(todo), self.batch):
                 part = todo[i:i + self.batch]
+                if self.links is not None:  # one transfer per batch, timed by the link model
+                    tiers = [self._tier(key) for key in part]
+                    land = self.links.transfer(tiers.count("host"), len(tiers) - tiers.count("host"),
+                                               time.perf_counter())
+                    self._land.update((key, land) for key in part)
                 fut = self._pool.submit(self._read_batch, part)
                 for key in part:
                     self._staged[key] = fut
@@ -228,6 +252,9 @@ class Prefetcher:
             fut = self._staged.get(key)
             if fut is None or not fut.done():
                 return None
+            land = self._land.get(key)
+            if land is not None and time.perf_counter() < land:
+                return None  # read here, but still on the emulated link
             page = self._page(fut, key)
             if page is None:
                 return None  # a failed prefetch is retried by `fetch`, which raises properly
@@ -241,14 +268,19 @@ class Prefetcher:
         key = (int(key[0]), int(key[1]))
         t0 = time.perf_counter()
         with self._lock:
+            land = self._land.get(key)
             fut = self._pop(key)
             self.stats["prefetch_misses"] += 1
-            if fut is not None and not fut.done():
+            if fut is not None and (not fut.done() or (land is not None and t0 < land)):
                 self.stats["prefetch_late"] += 1
         try:
             page = None if fut is None else self._page(fut, key)
             if page is None:
+                if self.links is not None:  # a demand read crosses the link too
+                    tier = self._tier(key)
+                    land = self.links.transfer(int(tier == "host"), int(tier != "host"), t0)
                 page = self._read(key)
+            self._wait_link(land)
             return page
         finally:
             with self._lock:
