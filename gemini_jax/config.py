@@ -306,8 +306,11 @@ class LinkConfig:
     disk_latency_us: float = 80.0
     queue_depth: int = 8
     time_scale: float = 1.0
+    page_bytes: Optional[int] = None  # bytes a page is timed as (None: its own; another model's page when emulating it)
 
     def __post_init__(self):
+        _require(self.page_bytes is None or (_is_int(self.page_bytes) and self.page_bytes >= 1),
+                 f"tier.link_model.page_bytes={self.page_bytes!r} must be None or an integer >= 1.")
         for name in ("host_gbs", "disk_gbs", "disk_iops", "time_scale"):
             v = getattr(self, name)
             _require(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0,

@@ -63,6 +63,9 @@ class FusedSpec:
     block_size: int
     fetch_batch: int  # pages one callback hands back
     dtype: Any  # of the slots
+    # False: every page the step can read is in a slot, so the program has no host callback at
+    # all (a program with callbacks leaves jax's fast dispatch path, ~1 ms a step here).
+    fetch: bool = True
 
 
 def _program(graphdef, host, spec: FusedSpec):
@@ -122,8 +125,9 @@ def _program(graphdef, host, spec: FusedSpec):
                 return jax.lax.while_loop(lambda c: c[3] & jnp.any(missing(c[2])), bring,
                                           (k_slots, v_slots, page_to_slot, jnp.bool_(True)))[:3]
 
-            k_slots, v_slots, page_to_slot = jax.lax.cond(jnp.any(missing(page_to_slot)), bring_all, lambda *c: c,
-                                                 k_slots, v_slots, page_to_slot)
+            if spec.fetch:
+                k_slots, v_slots, page_to_slot = jax.lax.cond(jnp.any(missing(page_to_slot)), bring_all,
+                                                              lambda *c: c, k_slots, v_slots, page_to_slot)
             shift = compact_shift(sel, block_size) if sp.positions == "compact" else None
             out = attend_selected(attention, (q, positions), (k_slots[layer], v_slots[layer]),
                                   PageView(page_to_slot[layer][bt], ends), Selection(sel, shift, None if shift is None else inv_freq),
@@ -207,16 +211,17 @@ class FusedDecode:
             self._error = err
 
     # ---- the step ----------------------------------------------------------------------------
-    def program(self, B: int, W: int):
+    def program(self, B: int, W: int, fetch: bool = True):
         ctx, store = self.ctx, self.store
         sp = ctx.config.sparse
-        key = (B, W)
+        ahead = store.tc.prefetch_depth > 0 and store.tc.lookahead > 0
+        fetch = fetch or ahead  # the lookahead's callbacks keep the program's callbacks anyway
+        key = (B, W, fetch)
         if key not in self._programs:
-            ahead = store.tc.prefetch_depth > 0 and store.tc.lookahead > 0
             spec = FusedSpec(model_cfg=ctx.model_cfg, sp=sp,
                              sp_ahead=dataclasses.replace(sp, budget=sp.budget * store.tc.lookahead) if ahead else None,
                              depth=store.tc.prefetch_depth, block_size=store.S, fetch_batch=self.batch,
-                             dtype=jnp.dtype(store.dtype))
+                             dtype=jnp.dtype(store.dtype), fetch=fetch)
             self._programs[key] = _program(ctx.graphdef, self, spec)
         return self._programs[key]
 
@@ -226,10 +231,13 @@ class FusedDecode:
         store = self.store
         self._error = None
         self._bt, self._ends = bt, ends
-        run = self.program(*bt.shape)
+        # Every page of the step's tables in a slot of every layer (nothing can be missing): the
+        # program without callbacks.
+        used = bt[bt != 0]
+        run = self.program(*bt.shape, fetch=bool(used.size) and not np.all(store.page_to_slot[:, used]))
 
         def step(kv):
-            logits, kv, sels = run(kv, self.ctx.params, tokens_d, call, jnp.array(store.page_to_slot, copy=True))
+            logits, kv, sels = run(kv, self.ctx.params, tokens_d, call, np.array(store.page_to_slot))
             return kv, (logits, sels)
 
         logits, sels = store.update(step)

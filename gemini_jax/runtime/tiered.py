@@ -232,10 +232,14 @@ class TieredRunner(PageRunner):
         starts, ends, positions = batch.starts, batch.ends, batch.positions
         self._pins(bt, starts, ends)
         B, T = batch.tokens.shape
-        # Copies: jax may alias host buffers, and callers reuse theirs while our calls still run.
-        tokens_d = jnp.array(batch.tokens, jnp.int32, copy=True)
-        call = CallArrays(jnp.array(positions, jnp.int32, copy=True), jnp.array(bt, copy=True),
-                          jnp.array(ends, jnp.int32, copy=True), self.inv_freq, self.unrope)
+        fused = batch.decode and self.fused.usable(B)
+        # Copies: jax may alias host buffers, and callers reuse theirs while our calls still run. The
+        # one-program step takes fresh numpy copies (its one dispatch moves them); the layer loop
+        # passes them to several calls per layer, so they go to the device once, here.
+        copy = np.array if fused else functools.partial(jnp.array, copy=True)
+        tokens_d = copy(batch.tokens, np.int32)
+        call = CallArrays(copy(positions, np.int32), copy(bt, np.int32), copy(ends, np.int32), self.inv_freq,
+                          self.unrope)
         windows = cfg.layer_windows
         before = dict(store.prefetcher.stats)
         reads = 0
@@ -246,7 +250,7 @@ class TieredRunner(PageRunner):
         continued = sorted({int(bt[b, w[0]]) for b, (w, s) in enumerate(zip(written, starts)) if int(s) % S})
         fresh = sorted({int(bt[b, p]) for b in range(B) for p in written[b]} - set(continued))
         fill_pages_ids = sorted({int(bt[b, p]) for b in range(B) for p in filled[b]})
-        if batch.decode and self.fused.usable(B):
+        if fused:
             store.fused_steps += 1
             writes = (continued, fresh, fill_pages_ids)
             logits, reads = self._call_fused(batch, bt, tokens_d, call, writes, before)
@@ -346,20 +350,23 @@ class TieredRunner(PageRunner):
         t0 = time.perf_counter()
         logits, sels = self.fused(tokens_d, call, bt, np.asarray(batch.ends))
         store.fused_program_seconds += time.perf_counter() - t0
-        reads = 0
+        valid = sels >= 0  # [L, B, K, k] logical ids, -1 padded
+        reads = int(valid.sum())
+        # Physical page ids the program read, every layer at once (0: padding or the null page).
+        phys = np.where(valid, np.take_along_axis(bt[None, :, None, :], np.maximum(sels, 0), axis=3), 0)
+        hot_on = store.tc.hot_threshold > 0
         for layer in range(L):
-            selected = sels[layer]
             if store.selection_log is not None:
-                store.selection_log.append({"layer": layer, "decode": True, "selected": selected,
-                                        "positions": np.array(batch.positions)})
-            reads += int(np.sum(selected >= 0))
-            phys = np.take_along_axis(bt[:, None, :], np.maximum(selected, 0), axis=2)[selected >= 0]
-            keys = [(layer, int(p)) for p in np.unique(phys) if p != 0]
-            for key in keys:  # the program read them: they are the layer's most recently used
-                store.slots.touch(key)
-            store.hot.record(keys)
+                store.selection_log.append({"layer": layer, "decode": True, "selected": sels[layer],
+                                            "positions": np.array(batch.positions)})
+            pages = np.unique(phys[layer]).tolist()
+            if pages and pages[0] == 0:
+                pages = pages[1:]
+            store.slots.touch_many(layer, pages)  # the program read them: the layer's most recently used
+            if hot_on:
+                store.hot.record((layer, p) for p in pages)
             if store.tc.prefetch_depth > 0:  # history feeds only the prefetcher
-                store.predictor.observe(layer, bt, selected, batch.ends)
+                store.predictor.observe(layer, bt, sels[layer], batch.ends)
             store.put_below(layer, fill_pages_ids)
             store.prefetcher.release_layer(layer)
         if store.tc.prefetch_depth > 0 and store.tc.lookahead > 0:

@@ -130,6 +130,11 @@ class TieredStore:
         """Pages of `layer` that are pinned and sit in a slot."""
         return {p for p in self.slots.pinned_pages(layer) if self.page_to_slot[layer, p] != 0}
 
+    def set_link(self, link) -> None:
+        """Time transfers with the `LinkConfig` `link` from now on (None: real links), e.g. to
+        measure one prefilled engine across several emulated links."""
+        self.prefetcher.set_links(None if link is None else Links(link, self.spec.page_bytes))
+
     # ---- residency ---------------------------------------------------------------------------
     def forget(self, pages) -> None:
         """Pages (re)allocated by the cache: whatever a slot or a tier holds for them is stale."""

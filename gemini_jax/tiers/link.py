@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 
-from gemini_jax.config import HardwareConfig, LinkConfig, replace
+from gemini_jax.config import HardwareConfig, LinkConfig, ModelConfig, replace
 from gemini_jax.errors import ConfigError
 
 IO_BYTES = 4096  # the unit random-read IOPS figures are quoted in
@@ -70,7 +70,7 @@ class Links:
     """The hops pages cross to the device, built from a `LinkConfig`, for pages of `page_bytes`."""
 
     def __init__(self, cfg: LinkConfig, page_bytes: int):
-        self.cfg, self.page_bytes = cfg, page_bytes
+        self.cfg, self.page_bytes = cfg, cfg.page_bytes or page_bytes
         s = cfg.time_scale
         self.host = Hop(cfg.host_gbs, cfg.host_latency_us * 1e-6, cfg.queue_depth, scale=s)
         self.disk = Hop(cfg.disk_gbs, cfg.disk_latency_us * 1e-6, cfg.queue_depth, iops=cfg.disk_iops, scale=s)
@@ -109,3 +109,21 @@ def scale_for(step_seconds_here: float, step_seconds_there: float) -> float:
     if not (step_seconds_here > 0 and step_seconds_there > 0):
         raise ConfigError(f"step times {step_seconds_here!r} (here) and {step_seconds_there!r} (there) must be > 0.")
     return step_seconds_here / step_seconds_there
+
+
+def matched_link(hw: HardwareConfig, ref: ModelConfig, *, pcie: int | None, layer_seconds_here: float,
+                 block_size: int) -> tuple[LinkConfig, dict]:
+    """Links that stand, here, for `hw` running its reference model `ref`: a page is timed as one
+    of `ref`'s pages (its kv heads x `block_size` x head_dim, k and v, in hw.dtype), and every
+    time is scaled by (one layer of a decode step here) / (one layer of `ref`'s decode step on
+    `hw`, weights-bound: parameter bytes / device bandwidth / layers). A page then costs, beside
+    a layer here, what `ref`'s page costs beside `ref`'s layer there. -> (link, what was used)."""
+    if not hw.device_bandwidth_gbs:
+        raise ConfigError(f"hardware {hw.name!r} has no device_bandwidth_gbs to time its reference step.")
+    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[hw.dtype]
+    ref_page = 2 * ref.num_kv_heads * block_size * ref.head_dim * itemsize
+    ref_step = ref.num_params() * itemsize / (hw.device_bandwidth_gbs * 1e9)
+    scale = scale_for(layer_seconds_here, ref_step / ref.num_layers)
+    link = link_for(hw, pcie=pcie, time_scale=scale, page_bytes=ref_page)
+    return link, {"reference_page_bytes": ref_page, "reference_step_seconds": ref_step,
+                  "reference_layers": ref.num_layers, "time_scale": scale, "host_gbs": link.host_gbs}

@@ -224,6 +224,16 @@ class Prefetcher:
             self.stats["prefetch_issued"] += len(todo)
         return len(todo)
 
+    def set_links(self, links: Optional[Links]) -> None:
+        """Time transfers with `links` from now on (None: real). What is staged is dropped (counted
+        as wasted): its landing times belong to the old links."""
+        with self._lock:
+            self.stats["prefetch_wasted"] += len(self._staged)
+            self._staged.clear()
+            self._by_layer.clear()
+            self._land.clear()
+            self.links = links
+
     def release_layer(self, layer: int) -> int:
         """Drop the staged pages of `layer` once it has read what it needed: guesses it did not
         use (counted as wasted) would otherwise hold the buffer until the layer's next visit."""

@@ -105,6 +105,14 @@ class DeviceSlots:
         lru.move_to_end(key[1])
         return True
 
+    def touch_many(self, layer: int, pages) -> None:
+        """`touch` of several pages of one layer, in order (the last becomes the most recent)."""
+        lru = self._lru[layer]
+        move = lru.move_to_end
+        for p in pages:
+            if p in lru:
+                move(p)
+
     def admit(self, key: PageKey, *, protect: frozenset = frozenset()) -> Admission:
         """Make `key` resident: a hit touches it; a miss takes a free slot or evicts the least
         recently used key that is neither pinned nor in `protect`.
