@@ -77,6 +77,9 @@ SUBSETS: dict[str, list[Job]] = {
     ],
     "fullstack": [Job("fullstack/make_run", (), 2)],
     "exactness": [Job("exactness/exactness", ("experiment=exactness",), 4)],
+    # Decode over tiers: emulated links (share x depth x link) and the earlier tiers row (bench rows).
+    "tiers": [Job("bench_tiers/bench", ("--rows", "tiers_link,tiers", "--out", "experiments/results/bench_tiers"), 30,
+                  script="bench.py")],
     # k tokens per device program against transformers and the bandwidth bound (bench rows).
     "decode": [Job("bench_decode/bench", ("--rows", "decode_steps_vs_hf,decode_bandwidth",
                                           "--out", "experiments/results/bench_decode"), 35, script="bench.py")],

@@ -7,7 +7,6 @@ import os
 
 import numpy as np
 from omegaconf import OmegaConf
-from tqdm import tqdm
 
 from benchlib.registry import Context, RowResult, row
 from benchlib.rows.tiers import _model, _Variant
