@@ -229,8 +229,45 @@ def decode_block(results_dir: str) -> str:
                                  f"(raw: `bench.json`), commit `{rec['commit'][:7]}`, seed {rec['seeds'][0]}."])
 
 
+TIER_LINKS = ("real", "nominal PCIe 5", "h200 PCIe 4", "h200 PCIe 5", "l40s PCIe 5", "rtx4090 PCIe 5")
+
+
+def tiers_block(results_dir: str) -> str:
+    rec = _load(results_dir, "bench_tiers/bench")
+    if rec is None:
+        return _missing("tiers")
+    recs = [r for r in rec["rows"]["tiers_link"]["records"] if "metric" not in r]
+    links = [ln for ln in TIER_LINKS if any(r["link"] == ln for r in recs)]
+    rows = ["| context | device | depth | " + " | ".join(links) + " |", "|---|---|---|" + "---|" * len(links)]
+    cell = {(r["context"], r["device_fraction"], r["prefetch_depth"], r["link"]): r for r in recs}
+
+    def fmt(r):
+        hit = "-" if r["hit_rate"] is None else f"{r['hit_rate']:.0%}"
+        return f"{r['speed_vs_all_resident_ratio']:.2f}× · {hit}"
+
+    for context, share, depth in dict.fromkeys((r["context"], r["device_fraction"], r["prefetch_depth"]) for r in recs):
+        rows.append(f"| {context} | {share:.0%} | {depth} | " + " | ".join(
+            fmt(cell[context, share, depth, ln]) if (context, share, depth, ln) in cell else "-" for ln in links) + " |")
+    goals = []
+    for r in recs:
+        if r["device_fraction"] == 0.25 and r["prefetch_depth"] == 2 and r["link"].endswith("PCIe 5"):
+            ok = r["speed_vs_all_resident_ratio"] >= 0.9 and (r["hit_rate"] or 0) >= 0.95
+            goals.append(f"{r['context']}, {r['link']}: {r['speed_vs_all_resident_ratio']:.2f}× and "
+                         f"{(r['hit_rate'] or 0):.0%} {'✓' if ok else '✗'}")
+    still = [f"{r['context']}: {r['speed_vs_all_resident_ratio']:.2f}× {'✓' if r['speed_vs_all_resident_ratio'] >= 0.95 else '✗'}"
+             for r in recs if r["device_fraction"] == 1.0 and r["prefetch_depth"] == 0 and r["link"] == "real"]
+    same = all(r["tokens_equal_all_resident"] for r in recs)
+    return "\n".join(rows + [
+        "", "Cells: speed vs all-resident (median of per-repeat ratios) · prefetch hit rate (pages that had landed "
+        "when their layer needed them). Goal, 25% device, depth 2, PCIe 5 (≥ 0.9× and ≥ 95%): " + "; ".join(goals)
+        + ". Goal, real links with no page moving (100%, depth 0, ≥ 0.95×): " + "; ".join(still)
+        + f". Greedy tokens equal to the all-resident engine's in every cell: {'✓' if same else '✗'}. Every link, "
+        f"the matched time scales and the min–max of each ratio: [BENCH.md](experiments/results/bench_tiers/BENCH.md) "
+        f"(raw: `bench.json`), commit `{rec['commit'][:7]}`, seed {rec['seeds'][0]}."])
+
+
 BLOCKS = {"needle": needle_block, "bpb": bpb_block, "make_run": make_run_block, "exactness": exactness_block,
-          "decode": decode_block}
+          "decode": decode_block, "tiers": tiers_block}
 
 
 def render(text: str, results_dir: str) -> tuple[str, int]:

@@ -64,7 +64,8 @@ class FusedSpec:
     fetch_batch: int  # pages one callback hands back
     dtype: Any  # of the slots
     # False: every page the step can read is in a slot, so the program has no host callback at
-    # all (a program with callbacks leaves jax's fast dispatch path, ~1 ms a step here).
+    # all, neither to bring pages nor to hand the prefetcher lookahead guesses (a program with
+    # callbacks leaves jax's fast dispatch path, ~1 ms a step here).
     fetch: bool = True
 
 
@@ -151,6 +152,7 @@ class FusedDecode:
         self._error: Exception | None = None
         self.batch = FETCH_BATCH
         self._bt = self._ends = None  # the running step's block tables and lengths (for callbacks)
+        self.fetching = True  # whether the last step could miss pages (False: all in slots, no prefetch)
 
     def usable(self, B: int) -> bool:
         """Whether a step of B sequences runs as one program (else: layer by layer)."""
@@ -214,8 +216,8 @@ class FusedDecode:
     def program(self, B: int, W: int, fetch: bool = True):
         ctx, store = self.ctx, self.store
         sp = ctx.config.sparse
-        ahead = store.tc.prefetch_depth > 0 and store.tc.lookahead > 0
-        fetch = fetch or ahead  # the lookahead's callbacks keep the program's callbacks anyway
+        # Nothing missing also means nothing to prefetch: no lookahead either.
+        ahead = fetch and store.tc.prefetch_depth > 0 and store.tc.lookahead > 0
         key = (B, W, fetch)
         if key not in self._programs:
             spec = FusedSpec(model_cfg=ctx.model_cfg, sp=sp,
@@ -234,7 +236,8 @@ class FusedDecode:
         # Every page of the step's tables in a slot of every layer (nothing can be missing): the
         # program without callbacks.
         used = bt[bt != 0]
-        run = self.program(*bt.shape, fetch=bool(used.size) and not np.all(store.page_to_slot[:, used]))
+        self.fetching = bool(used.size) and not np.all(store.page_to_slot[:, used])
+        run = self.program(*bt.shape, fetch=self.fetching)
 
         def step(kv):
             logits, kv, sels = run(kv, self.ctx.params, tokens_d, call, np.array(store.page_to_slot))

@@ -355,6 +355,7 @@ class TieredRunner(PageRunner):
         # Physical page ids the program read, every layer at once (0: padding or the null page).
         phys = np.where(valid, np.take_along_axis(bt[None, :, None, :], np.maximum(sels, 0), axis=3), 0)
         hot_on = store.tc.hot_threshold > 0
+        prefetching = store.tc.prefetch_depth > 0 and self.fused.fetching
         for layer in range(L):
             if store.selection_log is not None:
                 store.selection_log.append({"layer": layer, "decode": True, "selected": sels[layer],
@@ -365,13 +366,14 @@ class TieredRunner(PageRunner):
             store.slots.touch_many(layer, pages)  # the program read them: the layer's most recently used
             if hot_on:
                 store.hot.record((layer, p) for p in pages)
-            if store.tc.prefetch_depth > 0:  # history feeds only the prefetcher
+            # History feeds only the prefetcher; with every page in a slot there is nothing to fetch.
+            if prefetching:
                 store.predictor.observe(layer, bt, sels[layer], batch.ends)
             store.put_below(layer, fill_pages_ids)
             store.prefetcher.release_layer(layer)
-        if store.tc.prefetch_depth > 0 and store.tc.lookahead > 0:
+        if prefetching and store.tc.lookahead > 0:
             self._guess_next_layer0(logits, call, bt, batch.ends)
-        for layer in range(L):  # the next step's guesses (layer 0's lookahead first)
+        for layer in range(L if prefetching else 0):  # the next step's guesses (layer 0's lookahead first)
             store.prefetch(store.predictor.predict(layer))
         store.slots.set_pins("hot", store.hot.end_step())
         self._count_prefetch(before)
