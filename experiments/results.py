@@ -80,6 +80,8 @@ SUBSETS: dict[str, list[Job]] = {
     # Decode over tiers: emulated links (share x depth x link) and the earlier tiers row (bench rows).
     "tiers": [Job("bench_tiers/bench", ("--rows", "tiers_link,tiers", "--out", "experiments/results/bench_tiers"), 30,
                   script="bench.py")],
+    # Persistent prefixes across processes: time to first token of a 32K prompt, cold vs loaded.
+    "prefix": [Job("persistent_prefix/persistent_prefix", (), 4, script="persistent_prefix.py")],
     # k tokens per device program against transformers and the bandwidth bound (bench rows).
     "decode": [Job("bench_decode/bench", ("--rows", "decode_steps_vs_hf,decode_bandwidth",
                                           "--out", "experiments/results/bench_decode"), 35, script="bench.py")],

@@ -266,8 +266,27 @@ def tiers_block(results_dir: str) -> str:
         f"(raw: `bench.json`), commit `{rec['commit'][:7]}`, seed {rec['seeds'][0]}."])
 
 
+def prefix_block(results_dir: str) -> str:
+    rec = _load(results_dir, "persistent_prefix/persistent_prefix")
+    if rec is None:
+        return _missing("prefix")
+    s = rec["summary"]
+    mark = lambda ok: "✓" if ok else "✗"  # noqa: E731
+    rows = ["| step (each its own process) | time to first token | prompt tokens reused | computed |", "|---|---|---|---|"]
+    rows += [f"| {r['step']} | {r['ttft_seconds']:.2f} s | {r['prefill_tokens_reused']} | {r['prefill_tokens_computed']} |"
+             for r in rec["records"]]
+    none = s["reused_other_block_size"] == 0 and s["reused_other_weights"] == 0
+    return "\n".join(rows + [
+        "", f"Loaded by a new process vs a cold prefill: **{s['ttft_speedup_warm_vs_cold']:.1f}×** lower time to first "
+        f"token (goal ≥ {s['goal_speedup']:.0f}× {mark(s['speedup_met'])}); last-prompt logits max |diff| "
+        f"{s['max_abs_logit_diff_warm_vs_cold']:.1e} (goal ≤ {s['logit_atol']:g} {mark(s['logits_met'])}); another block "
+        f"size reused {s['reused_other_block_size']} tokens, other weights {s['reused_other_weights']} (goal: none "
+        f"{mark(none)}). {rec['config']['context']} held-out bytes, from {_link('persistent_prefix/persistent_prefix')}, "
+        f"commit `{rec['commit'][:7]}`, seed {rec['seeds'][0]}."])
+
+
 BLOCKS = {"needle": needle_block, "bpb": bpb_block, "make_run": make_run_block, "exactness": exactness_block,
-          "decode": decode_block, "tiers": tiers_block}
+          "decode": decode_block, "tiers": tiers_block, "prefix": prefix_block}
 
 
 def render(text: str, results_dir: str) -> tuple[str, int]:

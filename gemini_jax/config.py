@@ -361,6 +361,13 @@ class TierConfig:
     compute overlap as across a real link. Prefetch hits count pages that had landed when their
     layer needed them.
 
+    `persistent`: the full pages of every prompt also go, with all their layers and digests, to
+    a store under `disk_path` keyed by (model and weights fingerprint, KV layout, chained block
+    hash) that outlives the engine (`gemini_jax.tiers.prefix_store`); a later engine, in any
+    process, on the same `disk_path` loads a prompt's stored prefix instead of prefilling it
+    (counted in `prefill_tokens_reused`). Another model, weights, dtype, block size or sparse
+    setting never matches. Works for every paged engine, over tiers or not.
+
     `on_corrupt`: what a page below the device that fails verification does: "raise" stops the
     call with `IntegrityError`; "recompute" rebuilds the page by replaying the calls that wrote
     it (`gemini_jax.tiers.write_log`) and runs the call again (counter `pages_recomputed`).
@@ -391,10 +398,14 @@ class TierConfig:
     fused_decode: bool = True
     link: str = "real"
     link_model: LinkConfig = field(default_factory=LinkConfig)
+    persistent: bool = False
 
     def __post_init__(self):
         _nested(self, "link_model", LinkConfig)
         _require(self.link in LINK_MODES, f"tier.link={self.link!r} must be one of {LINK_MODES}.")
+        _require(isinstance(self.persistent, bool), f"tier.persistent={self.persistent!r} must be true or false.")
+        _require(not self.persistent or self.disk_path is not None,
+                 "tier.persistent=true keeps prompt pages on disk for later engines: set tier.disk_path.")
         dp, df = self.device_pages, self.device_fraction
         _require(dp is None or (_is_int(dp) and dp >= 1),
                  f"tier.device_pages={dp!r} must be None (the whole pool) or an integer >= 1.")

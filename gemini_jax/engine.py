@@ -9,7 +9,9 @@ prefix; the runners (`gemini_jax.runtime`) run each batch through them.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -31,7 +33,9 @@ from gemini_jax.runtime import COUNTERS, RunContext, make_runner, new_stats
 from gemini_jax.runtime.multistep import LoopInputs, LoopSpec
 from gemini_jax.sampling import sample_with
 from gemini_jax.session import Session, audit, restore_session
-from gemini_jax.tiers import TieredStore
+from gemini_jax.session.snapshot import fingerprint
+from gemini_jax.tiers import PageSpec, TieredStore
+from gemini_jax.tiers.prefix_store import PrefixStore, fingerprint_id
 from gemini_jax.weights import params_sha256
 
 __all__ = ["COUNTERS", "Engine", "GenerateOutput", "new_stats"]
@@ -75,13 +79,17 @@ class Engine:
             backend = paged_backend(model.cfg, self.config.attention_impl, self.config.sparse,
                                     kernel_platform=self.config.kernel_platform)
             store_cls = TieredStore if self.config.tier.enabled else PooledStore
-            self.store = store_cls(model.cfg, self.config, self.cache_dtype, mesh)
+            self.store = store_cls(model.cfg, self._store_config(), self.cache_dtype, mesh)
         else:
             backend = contiguous_backend(model.cfg)
         forward = functools.partial(_run, graphdef, backend)
         self.ctx = RunContext(graphdef=graphdef, params=params, model_cfg=model.cfg, config=self.config,
                               step=jax.jit(forward, donate_argnums=(1,)), forward=forward,
                               kv=self.kv, store=self.store, mesh=mesh)
+        self.prefixes = None
+        if self.config.tier.persistent:
+            self.prefixes = self._open_prefixes()
+            self.ctx = dataclasses.replace(self.ctx, prefixes=self.prefixes)
 
     @property
     def mesh(self):
@@ -98,6 +106,30 @@ class Engine:
         """sha256 over every weight (computed once per engine)."""
         return params_sha256(self.ctx.params)
 
+    def _store_config(self) -> EngineConfig:
+        """The config the KV store runs with. With tier.persistent, disk_path is shared by engines of
+        different layouts, so the tiers' own pages (meaningful to this engine only) go to a
+        subdirectory per layout; the persistent prefixes sit beside them in `prefixes/`."""
+        tc = self.config.tier
+        if not (tc.enabled and tc.persistent):
+            return self.config
+        layout = {"model": dataclasses.asdict(self.model_cfg), "block_size": self.config.cache.block_size,
+                  "cache_dtype": self.cache_dtype.name}
+        scratch = os.path.join(tc.disk_path, f"tiers-{fingerprint_id(layout)}")
+        return dataclasses.replace(self.config, tier=dataclasses.replace(tc, disk_path=scratch))
+
+    def _open_prefixes(self) -> PrefixStore:
+        """The persistent prefix store of this engine's fingerprint under tier.disk_path."""
+        if self.kv is None:
+            raise ConfigError("tier.persistent stores pages: it needs the paged cache (cache.kind='paged').")
+        cfg, dig = self.model_cfg, self.store.device.digests
+        spec = PageSpec(num_layers=cfg.num_layers, num_pages=1, kv_heads=cfg.num_kv_heads,
+                        block_size=self.config.cache.block_size, head_dim=cfg.head_dim, dtype=self.cache_dtype.name)
+        shape = None if dig is None else (dig.shape[0], dig.shape[1], *dig.shape[3:])
+        return PrefixStore(os.path.join(self.config.tier.disk_path, "prefixes"), fingerprint(self), spec,
+                           digest_shape=shape, digest_dtype=None if dig is None else dig.dtype,
+                           fsync=self.config.tier.disk_fsync)
+
     def tier_stats(self) -> dict:
         """Counters of the tiers (device slots, host, disk, bytes held per tier); {} without tiers."""
         return self.store.stats() if self.store is not None else {}
@@ -106,6 +138,8 @@ class Engine:
         """Stop the tiers' I/O threads and flush pending disk writes (no-op without tiers)."""
         if self.store is not None and not self._closed:
             self.store.close()
+        if self.prefixes is not None:
+            self.prefixes.close()
         self._closed = True
 
     def __enter__(self):

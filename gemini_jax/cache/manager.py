@@ -79,6 +79,32 @@ class KVCacheManager:
             prev = h
         return seq.num_tokens
 
+    def extend_cached(self, seq_id: int, tokens, hashes) -> list[int]:
+        """Append full pages whose KV comes from elsewhere (a persistent prefix store): fresh pages
+        for blocks `hashes` holding `tokens` (len(hashes) x block_size), registered for prefix
+        reuse. The sequence must end on a page boundary. Returns the pages, whose data the caller
+        writes. On CacheExhausted nothing changes."""
+        seq = self.seqs[seq_id]
+        S = self.block_size
+        if seq.num_tokens != len(seq.pages) * S or len(tokens) != len(hashes) * S:
+            raise ValueError(f"sequence {seq_id}: extend_cached needs whole pages ({seq.num_tokens} tokens in "
+                             f"{len(seq.pages)} pages; {len(tokens)} tokens for {len(hashes)} blocks).")
+        got = []
+        try:
+            for _ in hashes:
+                got.append(self.pool.allocate())
+        except CacheExhausted:
+            for p in got:
+                self.pool.release(p)
+            raise
+        for page, h in zip(got, hashes):
+            seq.pages.append(page)
+            seq.hashes.append(int(h))
+            if self.prefix_caching:
+                self.pool.register(page, int(h))
+        seq.tokens.extend(int(t) for t in tokens)
+        return got
+
     def reserve(self, seq_id: int, total_tokens: int) -> None:
         """Make sure the sequence has pages for `total_tokens` positions (allocating new ones).
 

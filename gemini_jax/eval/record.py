@@ -35,8 +35,11 @@ def git_commit(path: str | None = None) -> str | None:
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True,
                               check=True, timeout=30).stdout.strip()
+        top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=where, capture_output=True, text=True,
+                             check=True, timeout=30).stdout.strip()
+        # The whole checkout (from its top: a path below it would see only its own directory).
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
-                                ":(exclude)experiments/results"], cwd=where,
+                                ":(exclude)experiments/results"], cwd=top,
                                capture_output=True, text=True, check=True, timeout=60).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None

@@ -29,6 +29,7 @@ class RunContext:
     kv: Any = None  # gemini_jax.cache.manager.KVCacheManager
     store: Any = None  # PooledStore | TieredStore
     mesh: Optional[Any] = None
+    prefixes: Any = None  # gemini_jax.tiers.prefix_store.PrefixStore (tier.persistent), else None
     seq_ids: Any = field(default_factory=itertools.count)
     programs: dict = field(default_factory=dict)
 

@@ -14,6 +14,7 @@ import numpy as np
 from gemini_jax import distributed
 from gemini_jax.cache.paged import PagedKV
 from gemini_jax.cache.store import DeviceKV
+from gemini_jax.runtime import prefixes
 from gemini_jax.runtime.batch import StepBatch
 from gemini_jax.runtime.chunking import call_width, prefill_pieces
 from gemini_jax.runtime.context import RunContext
@@ -39,8 +40,11 @@ class PageRunner(abc.ABC):
         """Add sequence `row` with prompt `toks` (reusing cached prefix pages); last logits."""
         sid = self.ids[row]
         reused = self.ctx.kv.add_sequence(sid, toks)
+        reused += prefixes.load(self.ctx, sid, toks, reused)  # tier.persistent: pages of earlier engines
         self.stats.prefill_tokens_reused += reused
-        return self._prefill_from(sid, np.asarray(toks, np.int32), reused)
+        logits = self._prefill_from(sid, np.asarray(toks, np.int32), reused)
+        prefixes.persist(self.ctx, sid)
+        return logits
 
     def prefill_more(self, row, toks):
         """Append `toks` to sequence `row` (an instruction after an interrupt); last logits."""

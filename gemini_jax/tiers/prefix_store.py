@@ -1,0 +1,246 @@
+"""`PrefixStore`: full KV pages on disk that outlive their process, keyed by what they depend on.
+
+A page's KV depends on the model's weights, the KV layout (layers, kv heads, head dim, block
+size, dtype) and every token up to its end: the cache's chained block hash
+(`gemini_jax.cache.manager.block_hash`). The store lives in
+`<root>/prefix-<hash of the fingerprint>/`, so another model, dtype or block size opens another
+directory and never matches; `meta.json` there holds the fingerprint itself and is checked on
+open.
+
+    pages.zarr   zarr3 [capacity, 2, layers, kv_heads, block_size, head_dim], one chunk per slot
+    digests.zarr the pages' selection digests [capacity, layers, kv_heads, rows, head_dim] (sparse)
+    index.log    append-only records (block hash, slot, checksum of the slot's bytes), each with
+                 its own CRC
+
+NOTE invariants:
+  * a record is appended only after its slot's bytes are written, so a hash that can be found
+    always names complete bytes; a failed or interrupted write leaves nothing that can be found;
+  * a slot is written once (new pages take fresh slots), so a read never races a write of the
+    same bytes;
+  * a read is verified against the record's checksum, which covers the block hash too: bytes at
+    the wrong slot fail as surely as flipped bits (`IntegrityError`, never another prefix's KV);
+  * a torn last record (the process was killed while appending) is dropped on open and the log
+    truncated to its last whole record;
+  * one process owns a store at a time (an exclusive `flock` on the log).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import struct
+import zlib
+from typing import Optional
+
+import numpy as np
+import tensorstore as ts
+
+from gemini_jax.errors import IntegrityError
+from gemini_jax.tiers.errors import TierError
+from gemini_jax.tiers.page import PageSpec
+
+_MAGIC = b"GJPFXLG1"
+_HEADER = _MAGIC + struct.pack("<II", 1, 0)
+_BODY = struct.Struct("<QI16s")  # block hash, slot, checksum of the slot's bytes
+_CRC = struct.Struct("<I")
+RECORD_BYTES = _BODY.size + _CRC.size  # 32
+CAPACITY = 1 << 24  # slots the array can address (chunks are files: only written slots take space)
+
+
+def fingerprint_id(fingerprint: dict) -> str:
+    """16 hex digits naming a fingerprint (its canonical JSON, hashed)."""
+    blob = json.dumps(fingerprint, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.blake2b(blob, digest_size=8).hexdigest()
+
+
+def slot_digest(block_hash: int, data: np.ndarray, digests: Optional[np.ndarray] = None) -> bytes:
+    h = hashlib.blake2b(digest_size=16, person=b"gj-kv-prefix")
+    h.update(int(block_hash).to_bytes(8, "little"))
+    h.update(np.ascontiguousarray(data).view(np.uint8).data)
+    if digests is not None:
+        h.update(np.ascontiguousarray(digests).view(np.uint8).data)
+    return h.digest()
+
+
+def _zarr(path: str, shape, dtype: str, fsync: bool):
+    return {"driver": "zarr3", "kvstore": {"driver": "file", "path": path},
+            "metadata": {"shape": [CAPACITY, *shape], "data_type": dtype,
+                         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [1, *shape]}},
+                         "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}], "fill_value": 0},
+            "context": {"cache_pool": {"total_bytes_limit": 0}, "file_io_sync": bool(fsync)}}
+
+
+class PrefixStore:
+    """Open (or create) the store for `fingerprint` under `root`; pages of `spec`'s layout
+    (`num_pages` is ignored: slots are the store's own), with digests of `digest_shape`
+    [layers, kv_heads, rows, head_dim] in `digest_dtype` (None: no digests)."""
+
+    def __init__(self, root: str, fingerprint: dict, spec: PageSpec, *, digest_shape=None, digest_dtype=None,
+                 fsync: bool = False):
+        self.spec, self.fsync = spec, fsync
+        self.digest_shape = None if digest_shape is None else tuple(int(x) for x in digest_shape)
+        self.shape = (2, spec.num_layers, spec.kv_heads, spec.block_size, spec.head_dim)
+        self.path = os.path.join(os.path.abspath(root), f"prefix-{fingerprint_id(fingerprint)}")
+        try:
+            os.makedirs(self.path, exist_ok=True)
+        except OSError as e:
+            raise TierError(f"cannot create the prefix store {self.path!r}: {e.strerror} (errno {e.errno}).") from e
+        self._check_meta(fingerprint)
+        log = os.path.join(self.path, "index.log")
+        try:
+            self._fd = os.open(log, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise TierError(f"cannot open the prefix index {log!r}: {e.strerror} (errno {e.errno}).") from e
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(self._fd)
+            raise TierError(f"the prefix store {self.path!r} is held by another process; one engine may own it "
+                            f"at a time.") from e
+        self.index: dict[int, tuple[int, bytes]] = {}  # block hash -> (slot, checksum)
+        self.torn_records = 0
+        self._next = 0
+        self._replay()
+        try:
+            self._array = ts.open(_zarr(os.path.join(self.path, "pages.zarr"), self.shape, spec.dtype, fsync),
+                                  create=True, open=True).result()
+            self._digests = None
+            if self.digest_shape is not None:
+                self._digests = ts.open(_zarr(os.path.join(self.path, "digests.zarr"), self.digest_shape,
+                                              str(np.dtype(digest_dtype).name) if digest_dtype is not None
+                                              else spec.dtype, fsync), create=True, open=True).result()
+        except ValueError as e:
+            os.close(self._fd)
+            raise TierError(f"cannot open the prefix pages at {self.path!r}: {e}") from e
+        self.pages_written = self.pages_read = 0
+        self.failure: Optional[TierError] = None  # a write failure that stopped the engine persisting
+
+    # ---- open ---------------------------------------------------------------------------------
+    def _check_meta(self, fingerprint: dict) -> None:
+        meta = os.path.join(self.path, "meta.json")
+        want = json.loads(json.dumps(fingerprint, sort_keys=True))
+        if os.path.exists(meta):
+            try:
+                with open(meta) as fh:
+                    have = json.load(fh)
+            except (OSError, ValueError) as e:
+                raise TierError(f"the prefix store's {meta!r} is unreadable ({e}); remove the directory.") from e
+            if have != want:
+                raise TierError(f"the prefix store {self.path!r} belongs to another model or layout (its meta.json "
+                                f"differs from this engine's fingerprint); remove the directory.")
+            return
+        tmp = meta + ".tmp"
+        with open(tmp, "w") as fh:  # written whole, then renamed: a reader never sees half of it
+            json.dump(want, fh, sort_keys=True)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, meta)
+
+    def _replay(self) -> None:
+        size = os.fstat(self._fd).st_size
+        if size == 0:
+            os.write(self._fd, _HEADER)
+            return
+        raw = os.pread(self._fd, size, 0)
+        if raw[:len(_HEADER)] != _HEADER:
+            raise TierError(f"{self.path!r}/index.log is not a prefix index (bad header); remove the directory.")
+        good = len(_HEADER)
+        for off in range(len(_HEADER), size - RECORD_BYTES + 1, RECORD_BYTES):
+            body = raw[off:off + _BODY.size]
+            (crc,) = _CRC.unpack_from(raw, off + _BODY.size)
+            if zlib.crc32(body) != crc:
+                break  # torn or corrupt: nothing after it can be trusted
+            block, slot, digest = _BODY.unpack(body)
+            self.index[block] = (slot, digest)
+            self._next = max(self._next, slot + 1)
+            good = off + RECORD_BYTES
+        if good != size:
+            self.torn_records = -(-(size - good) // RECORD_BYTES)
+            os.ftruncate(self._fd, good)
+
+    # ---- reads and writes -----------------------------------------------------------------------
+    def __contains__(self, block_hash: int) -> bool:
+        return int(block_hash) in self.index
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def prefix_length(self, hashes) -> int:
+        """How many of the leading `hashes` (a prompt's full pages, in order) the store holds."""
+        n = 0
+        for h in hashes:
+            if int(h) not in self.index:
+                break
+            n += 1
+        return n
+
+    def put(self, block_hash: int, data: np.ndarray, digests: Optional[np.ndarray] = None) -> bool:
+        """Store one page, all layers: `data` [2, layers, kv_heads, block_size, head_dim] (k, v),
+        and its `digests` (when the store keeps them). Returns False when the hash is already
+        stored. Raises TierError when the write fails; nothing of it is then visible."""
+        block_hash = int(block_hash)
+        if block_hash in self.index:
+            return False
+        data = np.ascontiguousarray(data)
+        if data.shape != self.shape or data.dtype != self.spec.np_dtype:
+            raise ValueError(f"prefix page {data.shape} {data.dtype} must be {self.shape} of {self.spec.dtype}.")
+        slot = self._next
+        self._next += 1  # a failed slot is never reused: a half-written chunk stays unreachable
+        if (digests is None) != (self._digests is None):
+            raise ValueError(f"prefix page digests {'missing' if digests is None else 'given'}: this store keeps "
+                             f"{'digests' if self._digests is not None else 'none'}.")
+        digest = slot_digest(block_hash, data, digests)
+        try:
+            writes = [self._array[slot].write(data)]
+            if digests is not None:
+                writes.append(self._digests[slot].write(np.asarray(digests, self._digests.dtype.numpy_dtype)))
+            for w in writes:
+                w.result()
+        except ValueError as e:
+            raise TierError(f"prefix store write failed at {self.path!r}: {e}. Nothing of the page is visible.") from e
+        body = _BODY.pack(block_hash, slot, digest)
+        try:
+            os.lseek(self._fd, 0, os.SEEK_END)
+            os.write(self._fd, body + _CRC.pack(zlib.crc32(body)))
+            if self.fsync:
+                os.fsync(self._fd)
+        except OSError as e:
+            raise TierError(f"cannot append to the prefix index at {self.path!r}: {e.strerror}.") from e
+        self.index[block_hash] = (slot, digest)
+        self.pages_written += 1
+        return True
+
+    def get(self, block_hash: int) -> np.ndarray:
+        """The page stored under `block_hash`, verified. KeyError if none; IntegrityError if its
+        bytes are not the ones recorded."""
+        return self.get_many([block_hash])[0][0]
+
+    def get_many(self, hashes) -> tuple[np.ndarray, Optional[np.ndarray]]:
+        """(pages [n, 2, layers, ...], digests [n, layers, ...] or None) of `hashes`, read
+        concurrently and verified each. KeyError for a hash not stored."""
+        hashes = [int(h) for h in hashes]
+        slots = [self.index[h][0] for h in hashes]
+        pages = [self._array[s].read() for s in slots]
+        digs = [self._digests[s].read() for s in slots] if self._digests is not None else None
+        out = np.stack([f.result() for f in pages]) if hashes else np.zeros((0, *self.shape), self.spec.np_dtype)
+        dig = None if digs is None else (np.stack([f.result() for f in digs]) if hashes else None)
+        for i, h in enumerate(hashes):
+            slot, digest = self.index[h]
+            if slot_digest(h, out[i], None if dig is None else dig[i]) != digest:
+                raise IntegrityError(f"prefix page {h:016x} (slot {slot}) at {self.path!r} failed its checksum; "
+                                     f"it is not served (prefill it again).")
+        self.pages_read += len(hashes)
+        return out, dig
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,250 @@
+"""`PrefixStore`: KV pages that outlive their process, keyed by fingerprint and chained block hash;
+faults (failed writes, torn index, SIGKILL mid-write, bytes at the wrong place) never serve
+wrong KV."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from gemini_jax.errors import IntegrityError
+from gemini_jax.tiers import PageSpec
+from gemini_jax.tiers.errors import TierError
+from gemini_jax.tiers.prefix_store import RECORD_BYTES, PrefixStore
+
+SEED = 41
+SPEC = PageSpec(num_layers=2, num_pages=1, kv_heads=2, block_size=8, head_dim=16, dtype="float32")
+FP = {"model": "tiny-test", "weights_sha256": "ab" * 32, "block_size": 8, "cache_dtype": "float32"}
+
+
+def _page(block_hash: int) -> np.ndarray:
+    """The page a hash stands for (deterministic, so a reader can check what it got)."""
+    rng = np.random.default_rng(block_hash % (2**63))
+    return rng.standard_normal((2, SPEC.num_layers, SPEC.kv_heads, SPEC.block_size, SPEC.head_dim)).astype(np.float32)
+
+
+def _hashes(n: int, seed: int = SEED) -> list[int]:
+    return [int(h) for h in np.random.default_rng(seed).integers(1, 2**63, n, dtype=np.int64)]
+
+
+def test_round_trip_reopen_and_prefix_length(tmp_path):
+    hs = _hashes(6)
+    with PrefixStore(str(tmp_path), FP, SPEC) as st:
+        assert all(st.put(h, _page(h)) for h in hs[:5])
+        assert not st.put(hs[0], _page(hs[0]))  # already there: nothing written
+    with PrefixStore(str(tmp_path), FP, SPEC) as st:  # a new owner finds them
+        assert len(st) == 5 and st.prefix_length(hs) == 5 and st.prefix_length([hs[5]] + hs) == 0
+        np.testing.assert_array_equal(st.get(hs[3]), _page(hs[3]))
+        np.testing.assert_array_equal(st.get_many(hs[:5])[0], np.stack([_page(h) for h in hs[:5]]))
+        with pytest.raises(KeyError):
+            st.get(hs[5])
+
+
+@pytest.mark.parametrize("change", [{"block_size": 16}, {"weights_sha256": "cd" * 32}, {"cache_dtype": "bfloat16"}])
+def test_another_model_or_layout_never_matches(tmp_path, change):
+    hs = _hashes(3)
+    with PrefixStore(str(tmp_path), FP, SPEC) as st:
+        for h in hs:
+            st.put(h, _page(h))
+    with PrefixStore(str(tmp_path), {**FP, **change}, SPEC) as other:
+        assert len(other) == 0 and other.prefix_length(hs) == 0, change
+
+
+def test_tampered_meta_and_second_owner_are_refused(tmp_path):
+    with PrefixStore(str(tmp_path), FP, SPEC) as st:
+        with pytest.raises(TierError, match="another process"):
+            PrefixStore(str(tmp_path), FP, SPEC)
+        meta = os.path.join(st.path, "meta.json")
+    with open(meta, "w") as fh:
+        fh.write('{"model": "something else"}')
+    with pytest.raises(TierError, match="another model or layout"):
+        PrefixStore(str(tmp_path), FP, SPEC)
+
+
+def _chunk(st: PrefixStore, slot: int) -> str:
+    return os.path.join(st.path, "pages.zarr", "c", str(slot), "0", "0", "0", "0", "0")
+
+
+def test_corrupt_or_misplaced_bytes_are_never_served(tmp_path):
+    hs = _hashes(3)
+    with PrefixStore(str(tmp_path), FP, SPEC) as st:
+        for h in hs:
+            st.put(h, _page(h))
+        a, b = (_chunk(st, st.index[h][0]) for h in hs[:2])
+        # Two slots' files swapped: each holds complete, valid-looking KV of another prefix.
+        da, db = open(a, "rb").read(), open(b, "rb").read()
+        open(a, "wb").write(db)
+        open(b, "wb").write(da)
+        for h in hs[:2]:
+            with pytest.raises(IntegrityError, match="checksum"):
+                st.get(h)
+        c = _chunk(st, st.index[hs[2]][0])
+        raw = bytearray(open(c, "rb").read())
+        raw[len(raw) // 2] ^= 0x10
+        open(c, "wb").write(bytes(raw))
+        with pytest.raises(IntegrityError, match="checksum"):
+            st.get_many(hs[2:])
+
+
+def test_a_failed_write_leaves_nothing_visible(tmp_path):
+    hs = _hashes(3)
+    with PrefixStore(str(tmp_path), FP, SPEC) as st:
+        st.put(hs[0], _page(hs[0]))
+        # The next slot's chunk file cannot be created (a directory sits at its path; root too).
+        os.makedirs(_chunk(st, st._next))
+        with pytest.raises(TierError, match="Nothing of the page is visible"):
+            st.put(hs[1], _page(hs[1]))
+        assert hs[1] not in st
+        st.put(hs[2], _page(hs[2]))  # the store goes on, on a fresh slot
+    with PrefixStore(str(tmp_path), FP, SPEC) as st:
+        assert hs[1] not in st and st.prefix_length([hs[0]]) == 1
+        np.testing.assert_array_equal(st.get(hs[2]), _page(hs[2]))
+
+
+def test_torn_index_tail_is_trimmed_on_open(tmp_path):
+    hs = _hashes(4)
+    with PrefixStore(str(tmp_path), FP, SPEC) as st:
+        for h in hs[:3]:
+            st.put(h, _page(h))
+        log = os.path.join(st.path, "index.log")
+    size = os.path.getsize(log)
+    with open(log, "ab") as fh:  # a record cut short by a crash, then garbage
+        fh.write(os.urandom(RECORD_BYTES // 2))
+    with PrefixStore(str(tmp_path), FP, SPEC) as st:
+        assert st.torn_records == 1 and os.path.getsize(log) == size
+        assert st.prefix_length(hs[:3]) == 3
+        st.put(hs[3], _page(hs[3]))
+    with PrefixStore(str(tmp_path), FP, SPEC) as st:
+        assert st.prefix_length(hs) == 4 and st.torn_records == 0
+        np.testing.assert_array_equal(st.get(hs[3]), _page(hs[3]))
+
+
+_WRITER = textwrap.dedent("""
+    import sys, numpy as np
+    sys.path.insert(0, {tests!r})
+    from test_tiers_prefix import FP, SPEC, _page
+    from gemini_jax.tiers.prefix_store import PrefixStore
+    st = PrefixStore({root!r}, FP, SPEC)
+    rng = np.random.default_rng({seed})
+    print("open", flush=True)
+    while True:
+        h = int(rng.integers(1, 2**63, dtype=np.int64))
+        st.put(h, _page(h))
+""")
+
+
+def _kill_loop(tmp_path, kills: int):
+    rng = np.random.default_rng(SEED)
+    seen = 0
+    for i in range(kills):
+        code = _WRITER.format(tests=os.path.dirname(__file__), root=str(tmp_path), seed=SEED + i)
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "open", f"writer {i} did not start (seed={SEED})"
+        time.sleep(float(rng.uniform(0.2, 0.8)))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        with PrefixStore(str(tmp_path), FP, SPEC) as st:  # every page it can find is whole and right
+            assert len(st) > seen, f"kill {i}: no page was written (seed={SEED})"
+            seen = len(st)
+            hs = list(st.index)
+            np.testing.assert_array_equal(st.get_many(hs)[0], np.stack([_page(h) for h in hs]),
+                                          err_msg=f"kill {i}, seed={SEED}")
+
+
+def test_sigkill_mid_write_two_kills(tmp_path):
+    _kill_loop(tmp_path, 2)
+
+
+@pytest.mark.slow
+def test_sigkill_mid_write_ten_kills(tmp_path):
+    _kill_loop(tmp_path, 10)
+
+
+def test_digests_round_trip_and_are_checked(tmp_path):
+    hs = _hashes(2)
+    dig = np.random.default_rng(SEED).standard_normal((2, SPEC.num_layers, SPEC.kv_heads, 2, SPEC.head_dim))
+    dig = dig.astype(np.float32)
+    kw = dict(digest_shape=dig.shape[1:], digest_dtype=np.float32)
+    with PrefixStore(str(tmp_path), FP, SPEC, **kw) as st:
+        for h, d in zip(hs, dig):
+            st.put(h, _page(h), d)
+        with pytest.raises(ValueError, match="digests missing"):
+            st.put(_hashes(1, SEED + 1)[0], _page(1))
+    with PrefixStore(str(tmp_path), FP, SPEC, **kw) as st:
+        pages, got = st.get_many(hs)
+        np.testing.assert_array_equal(got, dig)
+        f = os.path.join(st.path, "digests.zarr", "c", str(st.index[hs[1]][0]), "0", "0", "0", "0")
+        raw = bytearray(open(f, "rb").read())
+        raw[3] ^= 0x40
+        open(f, "wb").write(bytes(raw))
+        with pytest.raises(IntegrityError):
+            st.get_many(hs)
+
+
+def _engine_cfg(path, *, tiers: bool, block: int = 8, sparse: bool = False):
+    from gemini_jax.config import CacheConfig, EngineConfig, SparseConfig, TierConfig
+
+    sp = SparseConfig(enabled=True, budget=64, sink_pages=1, local_pages=1) if sparse else SparseConfig()
+    tier = TierConfig(enabled=tiers, device_pages=24 if tiers else None, prefetch_depth=0, hot_threshold=0,
+                      disk_path=str(path), persistent=True)
+    return EngineConfig(max_seq_len=512, max_batch=1, prefill_chunk=32, cache=CacheConfig(block_size=block),
+                        sparse=sp, tier=tier)
+
+
+@pytest.mark.parametrize("tiers, sparse", [(False, False), (True, True)], ids=["pool", "tiers-sparse"])
+def test_a_new_engine_loads_a_stored_prefix_instead_of_prefilling(tmp_path, tiers, sparse):
+    import gemini_jax as gj
+    from gemini_jax.config import SamplingParams
+    from gemini_jax.testing import random_model, random_prompts, tiny_config
+
+    cfg = tiny_config("llama")
+    model = random_model(cfg, SEED)
+    prompt = random_prompts(np.random.default_rng(SEED), cfg.vocab_size, [300])[0]
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, stop_at_eos=False)
+    where = f"seed={SEED}, tiers={tiers}, sparse={sparse}"
+    with gj.Engine(model, _engine_cfg(tmp_path, tiers=tiers, sparse=sparse)) as eng:
+        cold = eng.generate(prompt, params, return_logits=True)
+        assert eng.prefixes.pages_written == (len(prompt) - 1) // 8, where
+    with gj.Engine(model, _engine_cfg(tmp_path, tiers=tiers, sparse=sparse)) as eng:  # a new engine, same disk
+        warm = eng.generate(prompt, params, return_logits=True)
+    # Loaded up to the last prefill-chunk boundary (32) before the last token: the rest is
+    # prefilled in the chunks the cold run made.
+    assert warm.stats["prefill_tokens_reused"] == (len(prompt) - 1) // 32 * 32, where
+    assert warm.stats["prefill_tokens_computed"] <= 32, where
+    assert warm.tokens == cold.tokens, where
+    np.testing.assert_allclose(warm.logits, cold.logits, atol=1e-5, rtol=0, err_msg=where)
+    # Another block size or other weights: another store, nothing reused.
+    with gj.Engine(model, _engine_cfg(tmp_path, tiers=tiers, block=16, sparse=sparse)) as eng:
+        assert eng.generate(prompt, params).stats["prefill_tokens_reused"] == 0, where
+    with gj.Engine(random_model(cfg, SEED + 1), _engine_cfg(tmp_path, tiers=tiers, sparse=sparse)) as eng:
+        assert eng.generate(prompt, params).stats["prefill_tokens_reused"] == 0, where
+
+
+def test_a_corrupt_stored_page_is_prefilled_again(tmp_path):
+    import gemini_jax as gj
+    from gemini_jax.config import SamplingParams
+    from gemini_jax.testing import random_model, random_prompts, tiny_config
+
+    cfg = tiny_config("llama")
+    model = random_model(cfg, SEED + 2)
+    prompt = random_prompts(np.random.default_rng(SEED + 2), cfg.vocab_size, [200])[0]
+    params = SamplingParams(max_new_tokens=4, temperature=0.0, stop_at_eos=False)
+    with gj.Engine(model, _engine_cfg(tmp_path, tiers=False)) as eng:
+        cold = eng.generate(prompt, params)
+        st = eng.prefixes
+        slot = sorted(st.index.values())[10][0]  # the 11th page stored
+        f = _chunk(st, slot)
+    raw = bytearray(open(f, "rb").read())
+    raw[100] ^= 0x01
+    open(f, "wb").write(bytes(raw))
+    with gj.Engine(model, _engine_cfg(tmp_path, tiers=False)) as eng:
+        warm = eng.generate(prompt, params)
+    assert warm.stats["prefill_tokens_reused"] == 10 * 8 // 32 * 32, f"seed={SEED + 2}"  # up to the bad page
+    assert warm.tokens == cold.tokens, f"seed={SEED + 2}"
