@@ -106,7 +106,7 @@ def main() -> None:
                "reused_other_block_size": runs["block8"]["prefill_tokens_reused"],
                "reused_other_weights": runs["weights"]["prefill_tokens_reused"]}
     cmd = " ".join(["python experiments/persistent_prefix.py", *sys.argv[1:]])
-    rec = make_record("persistent_prefix", StudyResult(name="persistent_prefix", records=records, split="heldout",
+    rec = make_record("persistent_prefix", StudyResult(name="persistent_prefix", records=records, split=None,
                                                        seeds=[a.seed], extra={"summary": summary}),
                       command=cmd, config={"context": a.context, "block_size": 16, "sparse_budget": 1024,
                                            "prefill_chunk": 512, "model": "shipped tiny"})
