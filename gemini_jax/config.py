@@ -559,6 +559,46 @@ class EngineConfig:
         return self.cache.num_pages or self.max_batch * self.pages_per_seq + 1
 
 
+PREEMPT_MODES = ("swap", "recompute")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServeConfig:
+    """The server (`python -m gemini_jax.serve`) and its scheduler (`gemini_jax.serve.Scheduler`).
+
+    `step_tokens`: tokens one scheduler step computes, every decoding request's next token first,
+    then prefill chunks of joining requests while the budget lasts (one chunk always runs, so a
+    prompt never waits on a budget smaller than `EngineConfig.prefill_chunk`). `preempt`: what
+    happens to the lowest-ranked request when pages run out: `swap` copies its pages to host
+    memory and back (the same bytes, so the same tokens), `recompute` frees them and prefills its
+    tokens again. `max_waiting`: requests queued beyond the running batch before new ones get 503.
+    `api_keys`: a JSON file {key: {tenant, pool, per_request}} (compute units, see
+    `gemini_jax.serve.quotas`); None accepts any key, with no quotas (the loopback default).
+    `state_dir`: where `/snapshot` writes Orbax snapshots and the audit log lives (None: a
+    temporary directory of the server's life).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model_id: str = "gemini-jax-tiny"
+    step_tokens: int = 512
+    preempt: str = "swap"
+    max_waiting: int = 256
+    api_keys: Optional[str] = None
+    state_dir: Optional[str] = None
+
+    def __post_init__(self):
+        _require(_is_int(self.port) and 0 <= self.port <= 65535,
+                 f"serve.port={self.port!r} must be an integer in [0, 65535] (0: any free port).")
+        _require(isinstance(self.model_id, str) and self.model_id.strip() != "",
+                 f"serve.model_id={self.model_id!r} must be a non-empty string.")
+        _require(_is_int(self.step_tokens) and self.step_tokens >= 1,
+                 f"serve.step_tokens={self.step_tokens!r} must be an integer >= 1.")
+        _require(self.preempt in PREEMPT_MODES, f"serve.preempt={self.preempt!r} must be one of {PREEMPT_MODES}.")
+        _require(_is_int(self.max_waiting) and self.max_waiting >= 0,
+                 f"serve.max_waiting={self.max_waiting!r} must be an integer >= 0.")
+
+
 def replace(cfg, **changes):
     """`dataclasses.replace` that re-runs validation."""
     return dataclasses.replace(cfg, **changes)

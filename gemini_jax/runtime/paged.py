@@ -36,12 +36,19 @@ class PageRunner(abc.ABC):
         self.window = ctx.model_cfg.max_window
 
     # ---- the runner interface -----------------------------------------------------------------
-    def prefill(self, row, toks):
-        """Add sequence `row` with prompt `toks` (reusing cached prefix pages); last logits."""
-        sid = self.ids[row]
+    def add(self, sid, toks) -> int:
+        """Register sequence `sid` with prompt `toks`, sharing cached prefix pages (and, with
+        tier.persistent, pages an earlier engine stored); returns how many prompt tokens already
+        have their KV (a multiple of block_size; the last token is always left to compute)."""
         reused = self.ctx.kv.add_sequence(sid, toks)
         reused += prefixes.load(self.ctx, sid, toks, reused)  # tier.persistent: pages of earlier engines
         self.stats.prefill_tokens_reused += reused
+        return reused
+
+    def prefill(self, row, toks):
+        """Add sequence `row` with prompt `toks` (reusing cached prefix pages); last logits."""
+        sid = self.ids[row]
+        reused = self.add(sid, toks)
         logits = self._prefill_from(sid, np.asarray(toks, np.int32), reused)
         prefixes.persist(self.ctx, sid)
         return logits
@@ -52,25 +59,41 @@ class PageRunner(abc.ABC):
         have = np.asarray(self.ctx.kv.seqs[sid].tokens, np.int32)
         return self._prefill_from(sid, np.concatenate([have, np.asarray(toks, np.int32)]), len(have))
 
-    def decode(self, nxt, lengths):
-        """One token per sequence (`nxt` i32[B]) at positions `lengths` i32[B]; next logits."""
-        for sid, n in zip(self.ids, lengths):
-            self._reserve(sid, int(n) + 1)
-        logits, (page_reads, key_reads, width) = self._call(StepBatch.decode_step(self.ids, nxt, lengths))
-        self.commit(np.asarray(nxt, np.int32)[:, None])
-        self._count(int(page_reads), int(key_reads), width, 1)
+    def prefill_piece(self, sid, padded, positions, n):
+        """One prefill chunk of sequence `sid` (a `chunking.prefill_pieces` item: `n` real tokens
+        of `padded` at `positions`); its last real token's logits f32[1, V]."""
+        ctx = self.ctx
+        batch = StepBatch.prefill(sid, padded, positions, n)
+        self._reserve(sid, int(batch.ends[0]))
+        logits, _ = self._call(batch)
+        ctx.kv.commit(sid, padded[:n])
+        ctx.kv.drop_outside_window(sid, self.window)
+        count_prefill(self.stats, ctx.model_cfg, n)
         return logits
 
-    def commit(self, written) -> None:
-        """Record tokens written after each row's end (i32[B, n]), dropping pages outside the window."""
-        for sid, toks in zip(self.ids, written):
+    def decode(self, nxt, lengths, ids=None):
+        """One token per sequence (`nxt` i32[B]) at positions `lengths` i32[B]; next logits.
+        `ids`: which sequences (default: the runner's own, in order)."""
+        ids = self.ids if ids is None else list(ids)
+        for sid, n in zip(ids, lengths):
+            self._reserve(sid, int(n) + 1)
+        logits, (page_reads, key_reads, width) = self._call(StepBatch.decode_step(ids, nxt, lengths))
+        self.commit(np.asarray(nxt, np.int32)[:, None], ids)
+        self._count(int(page_reads), int(key_reads), width, 1, len(ids))
+        return logits
+
+    def commit(self, written, ids=None) -> None:
+        """Record tokens written after each row's end (i32[B, n]), dropping pages outside the window.
+        `ids`: the rows' sequences (default: the runner's own)."""
+        for sid, toks in zip(self.ids if ids is None else ids, written):
             self.ctx.kv.commit(sid, toks)
             self.ctx.kv.drop_outside_window(sid, self.window)
 
-    def _count(self, page_reads: int, key_reads: int, width: int, steps: int) -> None:
+    def _count(self, page_reads: int, key_reads: int, width: int, steps: int, batch: int | None = None) -> None:
         ctx = self.ctx
         count_decode_reads(self.stats, ctx.config, ctx.model_cfg, DecodeReads(
-            page_reads=page_reads, key_reads=key_reads, batch=len(self.ids), table_width=width, steps=steps,
+            page_reads=page_reads, key_reads=key_reads, batch=len(self.ids) if batch is None else batch,
+            table_width=width, steps=steps,
             kv_itemsize=ctx.cache_dtype.itemsize, digest_itemsize=ctx.store.digest_itemsize))
 
     def close(self):
@@ -80,15 +103,9 @@ class PageRunner(abc.ABC):
 
     # ---- shared steps ---------------------------------------------------------------------------
     def _prefill_from(self, sid, toks, start):
-        ctx = self.ctx
         logits = None
-        for padded, pos, n in prefill_pieces(ctx.config, toks, start):
-            batch = StepBatch.prefill(sid, padded, pos, n)
-            self._reserve(sid, int(batch.ends[0]))
-            logits, _ = self._call(batch)
-            ctx.kv.commit(sid, padded[:n])
-            ctx.kv.drop_outside_window(sid, self.window)
-            count_prefill(self.stats, ctx.model_cfg, n)
+        for padded, pos, n in prefill_pieces(self.ctx.config, toks, start):
+            logits = self.prefill_piece(sid, padded, pos, n)
         return logits
 
     def _reserve(self, sid, total):

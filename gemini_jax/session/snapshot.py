@@ -22,8 +22,8 @@ import uuid
 
 import numpy as np
 
-from gemini_jax.cache.block_pool import NULL_PAGE
 from gemini_jax.errors import SnapshotError
+from gemini_jax.runtime import images
 
 FORMAT = 1
 
@@ -62,24 +62,21 @@ def save_snapshot(sess, path: str, *, include_kv: bool = True) -> str:
         raise SnapshotError("include_kv=False (KV by reference to persisted pages) needs the disk tier, "
                             "which this engine does not have; use include_kv=True.")
     e = sess.engine
-    seq = e.kv.seqs[sess.seq_id]
-    pages = list(seq.pages)
-    null = [i for i, p in enumerate(pages) if p == NULL_PAGE]
-    arrays = {"logits": np.asarray(sess.logits[0])}
     # Pages wherever they live: the device pool, or device slots, host RAM and disk under tiers.
-    arrays["k"], arrays["v"], dig = e.store.gather(pages)
-    if dig is not None:
-        arrays["digests"] = dig
+    image = images.take(e.kv, e.store, sess.seq_id)
+    arrays = {"logits": np.asarray(sess.logits[0]), "k": image.k, "v": image.v}
+    if image.digests is not None:
+        arrays["digests"] = image.digests
     meta = {
         "format": FORMAT,
         "created": time.time(),
         "fingerprint": fingerprint(e),
-        "tokens": [int(t) for t in seq.tokens],
+        "tokens": list(image.tokens),
         "prompt_len": sess.prompt_len,
         "generated": [int(t) for t in sess.generated],
         "new_tokens": sess.new_tokens,
         "finished": sess.finished,
-        "null_pages": null,
+        "null_pages": list(image.null_pages),
         "sampling": dataclasses.asdict(sess.params),
         "sample_index": sess.sample_index,
         "budget": sess.budget,
@@ -175,14 +172,6 @@ def check_fingerprint(engine, path: str, meta: dict) -> None:
 def restore_pages(engine, seq_id: int, meta: dict, arrays: dict) -> None:
     """Register sequence `seq_id` with the snapshot's tokens and write its pages into the store
     (a prefix already cached is shared, not rewritten)."""
-    tokens = meta["tokens"]
-    to_fill = engine.kv.restore_sequence(seq_id, tokens, set(meta["null_pages"]))
-    if not to_fill:
-        return
-    logical = np.asarray([i for i, _ in to_fill])
-    phys = [p for _, p in to_fill]
-    S = engine.config.cache.block_size
-    last = (len(tokens) - 1) // S  # the partial last page, if any, stays on device under tiers
-    partial = [p for i, p in to_fill if i == last and len(tokens) % S]
-    engine.store.scatter(phys, arrays["k"][:, :, logical], arrays["v"][:, :, logical],
-                         arrays["digests"][:, :, logical] if "digests" in arrays else None, partial=partial)
+    image = images.SequenceImage(tokens=tuple(meta["tokens"]), null_pages=tuple(meta["null_pages"]),
+                                 k=arrays["k"], v=arrays["v"], digests=arrays.get("digests"))
+    images.restore(engine.kv, engine.store, seq_id, image)

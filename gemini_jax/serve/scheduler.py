@@ -1,0 +1,321 @@
+"""Continuous batching over the engine's page pool: requests join and leave between decode steps.
+
+    sched = Scheduler(engine, ServeConfig())
+    sched.submit(Request("r1", prompt, SamplingParams(max_new_tokens=64), sink=on_token))
+    while sched.step(): ...          # or a `Worker` thread runs it for the HTTP server
+
+One step: (1) admit waiting requests, best rank first, while the batch has room
+(`EngineConfig.max_batch`) and pages; (2) one decode call over every decoding request (its
+pending token written, the next one sampled with the request's own sampling parameters);
+(3) prefill chunks of joining requests while `ServeConfig.step_tokens` lasts. When pages run out
+the worst-ranked request (highest `priority`, latest arrival) is preempted: `swap` copies its pages
+to host memory and restores the same bytes later, `recompute` frees them and prefills its tokens
+again. A client never sees `CacheExhausted`: a request that cannot fit even alone is refused
+at submit.
+
+Every request gets the tokens a solo `Engine.generate` gives it: prefill uses the same chunks
+(`chunking.prefill_pieces`), sampling the same keys (seed, sample index 0, position), and a
+swapped request resumes from its own bytes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Optional
+
+import numpy as np
+
+from gemini_jax.config import SamplingParams, ServeConfig
+from gemini_jax.errors import CacheExhausted, ConfigError, ContextLengthError
+from gemini_jax.model import validate_tokens
+from gemini_jax.runtime import Counters, images, make_runner, prefixes
+from gemini_jax.runtime.chunking import prefill_pieces
+from gemini_jax.runtime.paged import PageRunner
+from gemini_jax.sampling import sample_with
+from gemini_jax.serve.request import Phase, Request
+
+
+class Scheduler:
+    """Owns the live requests and one runner over the engine's store; single-threaded (a `Worker`
+    calls it from one thread; other threads only set a request's `*_requested` flags)."""
+
+    def __init__(self, engine, config: ServeConfig | None = None, stats: Counters | None = None):
+        if engine.kv is None:
+            raise ConfigError("serving needs the paged cache (EngineConfig.cache.kind='paged').")
+        self.engine = engine
+        self.config = config or ServeConfig()
+        self.stats = engine.stats if stats is None else stats  # the engine's counters, live
+        self.runner: PageRunner = make_runner(engine.ctx, 0, self.stats)
+        self.waiting: list[Request] = []
+        self.live: list[Request] = []  # PREFILL or DECODE, holding pages
+        self.arrivals = 0
+        self.preemptions = 0
+        self.steps = 0
+        self.decode_rows = 0  # sum over decode calls of their batch size
+        self._eos = engine.model_cfg.eos_id
+        self._layers = engine.model_cfg.num_layers
+
+    # ---- requests in ------------------------------------------------------------------------------
+    def check(self, tokens, params: SamplingParams, what: str = "prompt") -> np.ndarray:
+        """Refuse a request that could never run: token ids out of range (TokenError), longer
+        than the context (ContextLengthError) or than the whole pool holds."""
+        toks = validate_tokens(tokens, self.engine.model_cfg.vocab_size, what)
+        cfg = self.engine.config
+        need = len(toks) + params.max_new_tokens
+        if need > cfg.max_seq_len:
+            raise ContextLengthError(
+                f"{what} has {len(toks)} tokens + max_tokens={params.max_new_tokens} = {need} > the context "
+                f"of {cfg.max_seq_len} tokens; shorten the prompt or lower max_tokens.")
+        pages = -(-need // cfg.cache.block_size)
+        if pages > self.engine.kv.pool.num_pages - 1:
+            raise ContextLengthError(
+                f"{what} needs {pages} KV pages ({need} tokens) but the pool holds "
+                f"{self.engine.kv.pool.num_pages - 1}; shorten the request or raise cache.num_pages.")
+        return toks
+
+    def submit(self, req: Request) -> Request:
+        """Queue `req` (checked first: a refused request changes nothing)."""
+        toks = self.check(req.tokens, req.params)
+        req.tokens = [int(t) for t in toks]
+        req.prompt_len = req.prompt_len or len(req.tokens)
+        req.arrival = self.arrivals
+        self.arrivals += 1
+        req.phase = Phase.WAITING
+        self.waiting.append(req)
+        return req
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.live
+
+    @property
+    def preempted(self) -> int:
+        """Requests waiting to come back after a preemption."""
+        return sum(1 for r in self.waiting if r.preemptions)
+
+    # ---- one step ---------------------------------------------------------------------------------
+    def step(self) -> bool:
+        """Run one scheduler step; False when there was nothing to do."""
+        self._apply_requests()
+        self._admit()
+        if not self.live:
+            return False
+        self.steps += 1
+        self._decode()
+        self._prefill()
+        return True
+
+    def run_until_idle(self, max_steps: Optional[int] = None) -> None:
+        n = 0
+        while self.step():
+            n += 1
+            if max_steps is not None and n >= max_steps:
+                return
+
+    # ---- cancel / interrupt (flags set by other threads) -------------------------------------------
+    def _apply_requests(self) -> None:
+        for r in list(self.waiting) + list(self.live):
+            if r.cancel_requested and not r.finished:
+                self._finish(r, "cancelled")
+
+    # ---- admission --------------------------------------------------------------------------------
+    def _admit(self) -> None:
+        self.waiting.sort(key=lambda r: r.rank)
+        while self.waiting and len(self.live) < self.engine.config.max_batch:
+            r = self.waiting[0]
+            # Room for what it brings back, and for one more page per decoding request next step.
+            reserve = sum(1 for x in self.live if x.phase is Phase.DECODE)
+            if self._pages_to_enter(r) + reserve > self.engine.kv.pool.num_free and self.live:
+                return  # it waits for pages (first come, first served: nobody overtakes it)
+            self.waiting.pop(0)
+            try:
+                self._enter(r)
+            except CacheExhausted:  # shared pages counted as free were not: try again next step
+                self.waiting.insert(0, r)
+                return
+
+    def _pages_to_enter(self, r: Request) -> int:
+        S = self.engine.config.cache.block_size
+        if r.image is not None:
+            return r.image.num_pages
+        first = r.pieces[0] if r.pieces else None
+        return -(-(int(first[1][0]) + first[2]) // S) if first is not None else -(-len(r.tokens) // S)
+
+    def _enter(self, r: Request) -> None:
+        """Give `r` a sequence in the pool: its image back (swap), or its tokens to prefill."""
+        kv = self.engine.kv
+        if r.seq_id is None:
+            r.seq_id = self.engine.ctx.new_ids(1)[0]
+        if r.image is not None:
+            images.restore(kv, self.engine.store, r.seq_id, r.image)
+            r.image = None
+            r.phase = Phase.DECODE if r.pending is not None else Phase.PREFILL
+        else:
+            toks = r.prompt_array()
+            r.pending = None  # recompute: a pending token is prefilled with the rest
+            reused = self.runner.add(r.seq_id, toks)
+            r.pieces = deque(prefill_pieces(self.engine.config, toks, reused))
+            r.phase = Phase.PREFILL
+        self.live.append(r)
+        self._sync_ids()
+
+    def _sync_ids(self) -> None:
+        # The runner's rows are every live sequence (tiers pin each one's sink and last pages).
+        self.runner.ids = [r.seq_id for r in self.live]
+
+    # ---- pages ------------------------------------------------------------------------------------
+    def _make_room(self, need: int, for_rank: tuple, rows: list) -> bool:
+        """Preempt live requests ranked after `for_rank`, worst first, until `need` pages are free.
+        `rows`: decode rows counted in `need` (a preempted one leaves it, with its page)."""
+        pool = self.engine.kv.pool
+        while need > pool.num_free:
+            victims = [r for r in self.live if r.rank >= for_rank]
+            if not victims:
+                return False
+            victim = max(victims, key=lambda r: r.rank)
+            if victim in rows:
+                rows.remove(victim)
+                need -= self._new_pages(victim)
+            self._preempt(victim)
+        return True
+
+    def _new_pages(self, r: Request) -> int:
+        """Pages the next decode call allocates for `r` (1 when its pending token opens a page)."""
+        seq = self.engine.kv.seqs[r.seq_id]
+        return int(seq.num_tokens + 1 > len(seq.pages) * self.engine.config.cache.block_size)
+
+    def _preempt(self, r: Request) -> None:
+        kv = self.engine.kv
+        if self.config.preempt == "swap":
+            r.image = images.take(kv, self.engine.store, r.seq_id)
+        else:
+            r.pieces = deque()
+        kv.free(r.seq_id)
+        self.live.remove(r)
+        self._sync_ids()
+        r.phase = Phase.WAITING
+        r.preemptions += 1
+        self.preemptions += 1
+        self.waiting.append(r)
+
+    # ---- decode -----------------------------------------------------------------------------------
+    def _decode(self) -> None:
+        rows = sorted((r for r in self.live if r.phase is Phase.DECODE), key=lambda r: r.rank)
+        if not rows:
+            return
+        need = sum(self._new_pages(r) for r in rows)
+        self._make_room(need, (-float("inf"),), rows)  # the best row always fits alone (checked at submit)
+        if not rows:
+            return
+        kv = self.engine.kv
+        ids = [r.seq_id for r in rows]
+        lengths = np.asarray([kv.seqs[s].num_tokens for s in ids], np.int32)
+        logits = self.runner.decode(np.asarray([r.pending for r in rows], np.int32), lengths, ids)
+        self.stats.decode_steps += 1
+        self.stats.compute_units += len(rows) * self._layers
+        self.decode_rows += len(rows)
+        logits = np.asarray(logits)
+        for r in rows:
+            r.pending = None
+            r.compute_units += self._layers
+        self._after_logits(rows, logits)
+
+    def _after_logits(self, rows: list, logits: np.ndarray) -> None:
+        """Rows whose KV is complete, with their next-token logits f32[B, V]: interrupt, or sample,
+        send, and finish or keep the token pending."""
+        keep = [i for i, r in enumerate(rows) if not r.interrupt_requested]
+        for i, r in enumerate(rows):
+            if r.interrupt_requested:
+                r.logits = logits[i]
+                self._finish(r, "interrupted")
+        if not keep:
+            return
+        toks = self._sample([rows[i] for i in keep], logits[keep])
+        now = time.perf_counter()
+        for i, tok in zip(keep, toks):
+            r = rows[i]
+            r.generated.append(int(tok))
+            r.tokens.append(int(tok))
+            r.t_first = r.t_first or now
+            r.t_last = now
+            if r.sink is not None:
+                r.sink(r, int(tok))
+            if r.wants_more(self._eos):
+                r.pending = int(tok)
+            else:
+                eos = r.params.stop_at_eos and self._eos is not None and tok == self._eos
+                self._finish(r, "stop" if eos else "length")
+
+    def _sample(self, rows: list, logits: np.ndarray) -> np.ndarray:
+        """Each row with its own sampling parameters, keyed like a solo run (seed, sample index,
+        position), so batching never changes what a request draws."""
+        kv = self.engine.kv
+        out = np.zeros(len(rows), np.int32)
+        groups: dict = {}
+        for i, r in enumerate(rows):
+            groups.setdefault(r.params, []).append(i)
+        for params, idx in groups.items():
+            pos = [kv.seqs[rows[i].seq_id].num_tokens for i in idx]
+            ids = [rows[i].sample_index for i in idx]
+            out[idx] = np.asarray(sample_with(params, logits[idx], ids, pos))
+        return out
+
+    # ---- prefill ----------------------------------------------------------------------------------
+    def _prefill(self) -> None:
+        budget = self.config.step_tokens - sum(1 for r in self.live if r.phase is Phase.DECODE)
+        ran = False
+        for r in sorted((r for r in self.live if r.phase is Phase.PREFILL), key=lambda r: r.rank):
+            while r.pieces and r.phase is Phase.PREFILL:
+                padded, pos, n = r.pieces[0]
+                if ran and n > budget:
+                    return
+                if not self._room_for_piece(r, int(pos[0]) + n):
+                    break  # it waits for pages; a better-ranked request may still prefill
+                logits = self.runner.prefill_piece(r.seq_id, padded, pos, n)
+                r.pieces.popleft()
+                r.compute_units += n * self._layers
+                budget -= n
+                ran = True
+                if not r.pieces:
+                    prefixes.persist(self.engine.ctx, r.seq_id)
+                    r.phase = Phase.DECODE
+                    self._after_logits([r], np.asarray(logits))
+
+    def _room_for_piece(self, r: Request, end: int) -> bool:
+        seq = self.engine.kv.seqs[r.seq_id]
+        need = -(-end // self.engine.config.cache.block_size) - len(seq.pages)
+        if need <= 0:
+            return True
+        if need > self.engine.kv.pool.num_free:
+            others = [x for x in self.live if x is not r]
+            worse = [x for x in others if x.rank > r.rank]
+            if not worse:
+                return False
+            self._make_room(need, (r.rank[0], r.rank[1] + 1), [])
+        return need <= self.engine.kv.pool.num_free
+
+    # ---- the end ----------------------------------------------------------------------------------
+    def _finish(self, r: Request, reason: str, error: Optional[str] = None) -> None:
+        """End `r`: its pages go back to the pool (full ones stay cached for prefix reuse), unless
+        it was interrupted, when its image is kept on the request for a resume."""
+        kv = self.engine.kv
+        if r in self.live:
+            if reason == "interrupted":
+                r.image = images.take(kv, self.engine.store, r.seq_id)
+            kv.free(r.seq_id)
+            self.live.remove(r)
+            self._sync_ids()
+        if r in self.waiting:
+            self.waiting.remove(r)
+        r.phase = Phase.FINISHED
+        r.finish_reason = reason
+        r.error = error
+        r.pieces = deque()
+        if r.sink is not None:
+            r.sink(r, None)
+
+    def close(self) -> None:
+        """Cancel everything still queued or running."""
+        for r in list(self.waiting) + list(self.live):
+            self._finish(r, "cancelled")
