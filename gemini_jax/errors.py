@@ -49,3 +49,11 @@ class BudgetExceeded(GeminiJaxError, RuntimeError):
     def __init__(self, message: str, partial=None):
         super().__init__(message)
         self.partial = partial
+
+
+class AuthError(GeminiJaxError):
+    """A server request without a valid API key."""
+
+
+class QuotaExceeded(GeminiJaxError):
+    """A request would pass its tenant's compute-unit pool or the per-request cap."""

@@ -59,7 +59,7 @@ _REGISTERED = False
 
 
 def register() -> None:
-    """Register schemas (groups model/hardware/engine/sampling/sparse/tier) and the resolvers
+    """Register schemas (groups model/hardware/engine/sampling/sparse/tier/serve) and the resolvers
     `gj_windows` (per-layer windows) and `gj_run_dir` (a directory of this run's own)."""
     global _REGISTERED
     if _REGISTERED:
@@ -77,6 +77,7 @@ def register() -> None:
     cs.store(group="sampling", name="schema", node=schema_of(config.SamplingParams))
     cs.store(group="sparse", name="schema", node=schema_of(config.SparseConfig), package="engine.sparse")
     cs.store(group="tier", name="schema", node=schema_of(config.TierConfig), package="engine.tier")
+    cs.store(group="serve", name="schema", node=schema_of(config.ServeConfig))
     _REGISTERED = True
 
 

@@ -315,6 +315,12 @@ class Scheduler:
         if r.sink is not None:
             r.sink(r, None)
 
+    def fail_all(self, error: str) -> None:
+        """End every queued and running request with `error` (a step raised: the engine's state
+        for them cannot be trusted); their pages go back to the pool."""
+        for r in list(self.waiting) + list(self.live):
+            self._finish(r, "error", error)
+
     def close(self) -> None:
         """Cancel everything still queued or running."""
         for r in list(self.waiting) + list(self.live):

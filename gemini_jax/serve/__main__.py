@@ -1,0 +1,46 @@
+"""`python -m gemini_jax.serve [overrides]`: the OpenAI-compatible server over one engine.
+
+Hydra reads `conf/server.yaml` of the source checkout (groups model, engine, sparse, tier,
+serve). The shipped tiny model is served by default under `serve.model_id`; `weights=<dir>`
+serves an HF safetensors checkpoint with its tokenizer.json.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import hydra
+from omegaconf import DictConfig
+
+CONF = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "conf")
+
+
+@hydra.main(version_base=None, config_path=CONF, config_name="server")
+def main(cfg: DictConfig) -> None:
+    import uvicorn
+
+    import gemini_jax as gj
+    from gemini_jax.config import EngineConfig, ServeConfig
+    from gemini_jax.hydra_schema import build
+    from gemini_jax.serve.http import create_app
+
+    logging.getLogger("gemini_jax.serve").setLevel(cfg.log_level)
+    serve = build(ServeConfig, cfg.serve)
+    if cfg.weights:
+        model, tokenizer = gj.load_hf(cfg.weights, dtype=cfg.model.dtype), gj.HFTokenizer(cfg.weights)
+    else:
+        model, tokenizer = gj.load_tiny(), gj.ByteTokenizer()
+    engine = gj.Engine(model, build(EngineConfig, cfg.engine))
+    app = create_app(engine, tokenizer, serve)
+    try:
+        uvicorn.run(app, host=serve.host, port=serve.port, log_level=str(cfg.log_level).lower())
+    finally:
+        engine.close()
+
+
+if __name__ == "__main__":
+    from gemini_jax.hydra_schema import register
+
+    register()
+    main()

@@ -1,0 +1,252 @@
+"""The OpenAI-compatible server over real HTTP (uvicorn on a loopback port), driven by the
+official `openai` client: streaming and plain completions equal the engine's own tokens, bad
+requests get OpenAI-style errors, a client that goes away frees its pages, /metrics matches
+the engine's counters, keys and quotas."""
+
+import json
+import threading
+import time
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+import gemini_jax as gj
+from gemini_jax.config import ServeConfig
+from gemini_jax.data import corpus
+from gemini_jax.serve.http import chat_prompt, create_app
+
+SEED = 11
+MODEL_ID = "gemini-jax-tiny"
+
+
+class LiveServer:
+    """uvicorn serving `app` on 127.0.0.1 (a free port) from a thread."""
+
+    def __init__(self, app):
+        self.app = app
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
+                                                    lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 60
+        while not self.server.started:
+            assert time.time() < deadline, "the server did not start"
+            time.sleep(0.05)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    @property
+    def state(self):
+        return self.app.state.server
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+def _engine(model, **over):
+    cfg = dict(max_seq_len=512, prefill_chunk=64, max_batch=4, decode_steps_per_call=1,
+               cache=dict(block_size=16, num_pages=64))
+    cfg.update(over)
+    return gj.Engine(model, gj.config.from_dict(gj.EngineConfig, cfg))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return gj.load_tiny()
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    eng = _engine(model)
+    live = LiveServer(create_app(eng, gj.ByteTokenizer(), ServeConfig(model_id=MODEL_ID)))
+    yield live
+    live.close()
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="anything", max_retries=0, timeout=120)
+
+
+def _prompts(n, seed=SEED):
+    rng = np.random.default_rng(seed)
+    _, text = corpus.load_split("heldout")
+    out = []
+    for _ in range(n):
+        off = int(rng.integers(0, len(text) - 200))
+        out.append(bytes(text[off:off + int(rng.integers(40, 120))]).decode("utf-8", errors="ignore"))
+    return out
+
+
+def _engine_text(server, prompt_tokens, max_tokens):
+    """The engine-level greedy continuation (the same engine, through `generate`)."""
+    with server.state.worker.lock:  # the scheduler's thread is idle: nothing else uses the engine
+        toks = server.state.engine.generate(prompt_tokens, gj.SamplingParams(max_new_tokens=max_tokens)).tokens
+    return gj.ByteTokenizer().decode(toks), toks
+
+
+def test_completions_stream_and_plain_equal_the_engine(server, client):
+    tok = gj.ByteTokenizer()
+    for prompt in _prompts(2):
+        want, toks = _engine_text(server, tok.encode(prompt), 24)
+        plain = client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=24, temperature=0)
+        assert plain.choices[0].text == want, f"seed {SEED}"
+        assert plain.usage.prompt_tokens == len(tok.encode(prompt))
+        assert plain.usage.completion_tokens == len(toks)
+        assert plain.choices[0].finish_reason == ("stop" if toks and toks[-1] == tok.EOS else "length")
+        stream = client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=24, temperature=0, stream=True,
+                                           stream_options={"include_usage": True})
+        pieces, usage = [], None
+        for ch in stream:
+            if ch.choices:
+                pieces.append(ch.choices[0].text)
+            if ch.usage is not None:
+                usage = ch.usage
+        assert len(pieces) > 2, "the stream arrived in one piece"
+        assert "".join(pieces) == want, f"seed {SEED}"
+        assert usage.completion_tokens == len(toks)
+
+
+def test_chat_completions_stream_and_plain(server, client):
+    messages = [{"role": "system", "content": "You write Python."},
+                {"role": "user", "content": _prompts(1, SEED + 1)[0]}]
+    want, _ = _engine_text(server, gj.ByteTokenizer().encode(chat_prompt(messages)), 20)
+    plain = client.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=20, temperature=0)
+    assert plain.choices[0].message.role == "assistant"
+    assert plain.choices[0].message.content == want
+    stream = client.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=20, temperature=0,
+                                            stream=True)
+    text = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+    assert text == want
+
+
+def test_models_lists_the_served_model(client):
+    assert [m.id for m in client.models.list().data] == [MODEL_ID]
+
+
+def test_bad_requests_get_openai_errors(server, client):
+    with pytest.raises(openai.NotFoundError) as err:
+        client.completions.create(model="gpt-4", prompt="x", max_tokens=2)
+    assert err.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL_ID, prompt="x" * 500, max_tokens=100)
+    assert err.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL_ID, prompt=[1, 2, 99999], max_tokens=2)
+    assert "99999" in err.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL_ID, prompt="x", max_tokens=2, temperature=-1)
+    assert "temperature" in err.value.body["message"]
+    r = httpx.post(server.url + "/v1/completions", content=b'{"model": "gemini-jax-tiny", "prompt": ',
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    body = r.json()["error"]
+    assert body["type"] == "invalid_request_error" and "JSON" in body["message"]
+    assert server.state.scheduler.idle  # nothing refused reached the scheduler
+
+
+def _wait_idle(state, timeout=60):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        with state.worker.lock:
+            if state.scheduler.idle:
+                return
+        time.sleep(0.05)
+    raise AssertionError("the scheduler did not go idle")
+
+
+def test_a_client_that_disconnects_frees_its_pages(server):
+    state = server.state
+    pool = state.engine.kv.pool
+    _wait_idle(state)
+    before = pool.num_free
+    body = {"model": MODEL_ID, "prompt": _prompts(1, SEED + 2)[0], "max_tokens": 400, "temperature": 0,
+            "stream": True}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", server.url + "/v1/completions", json=body) as resp:
+            assert resp.status_code == 200
+            lines = resp.iter_lines()
+            got = [next(lines) for _ in range(6)]
+            assert any(line.startswith("data: ") for line in got)
+            # Mid-stream: the request holds pages now.
+            assert pool.num_free < before
+    _wait_idle(state)
+    assert pool.num_free == before, "a disconnected stream kept its pages"
+    assert not state.engine.kv.seqs
+    metrics = _scrape(server)
+    assert metrics[("gemini_jax_requests_total", (("reason", "cancelled"),))] >= 1
+
+
+def _scrape(server) -> dict:
+    text = httpx.get(server.url + "/metrics").text
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def test_metrics_match_the_engine(server, client):
+    state = server.state
+    _wait_idle(state)
+    before = _scrape(server)
+    prompts = _prompts(3, SEED + 3)
+    for p in prompts:
+        client.completions.create(model=MODEL_ID, prompt=p, max_tokens=8, temperature=0)
+    _wait_idle(state)
+    after = _scrape(server)
+    stats = dict(state.engine.stats)
+    for name in ("prefill_tokens_computed", "prefill_tokens_reused", "decode_steps", "kv_bytes_read",
+                 "compute_units"):
+        assert after[(f"gemini_jax_engine_{name}_total", ())] == stats[name], name
+    computed = after[("gemini_jax_engine_prefill_tokens_computed_total", ())] - \
+        before[("gemini_jax_engine_prefill_tokens_computed_total", ())]
+    reused = after[("gemini_jax_engine_prefill_tokens_reused_total", ())] - \
+        before[("gemini_jax_engine_prefill_tokens_reused_total", ())]
+    assert computed + reused == sum(len(p.encode()) for p in prompts)
+    ttft = after[("gemini_jax_time_to_first_token_seconds_count", ())] - \
+        before.get(("gemini_jax_time_to_first_token_seconds_count", ()), 0)
+    assert ttft == 3
+    assert after[("gemini_jax_queue_depth", ())] == 0 and after[("gemini_jax_running_sequences", ())] == 0
+
+
+@pytest.fixture(scope="module")
+def keyed(model, tmp_path_factory):
+    path = tmp_path_factory.mktemp("keys") / "keys.json"
+    layers = model.cfg.num_layers
+    path.write_text(json.dumps({"tenants": {"A": {"pool": 60 * layers, "per_request": 40 * layers},
+                                            "B": {"pool": None}},
+                                "keys": {"sk-a": "A", "sk-b": "B"}}))
+    eng = _engine(model, max_batch=2)
+    live = LiveServer(create_app(eng, gj.ByteTokenizer(), ServeConfig(model_id=MODEL_ID, api_keys=str(path))))
+    yield live
+    live.close()
+    eng.close()
+
+
+def test_keys_and_quotas(keyed):
+    url = keyed.url + "/v1"
+    r = httpx.get(url + "/models")  # no Authorization header at all
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    with pytest.raises(openai.AuthenticationError) as err:
+        openai.OpenAI(base_url=url, api_key="sk-wrong", max_retries=0).completions.create(
+            model=MODEL_ID, prompt="x", max_tokens=2)
+    assert err.value.body["code"] == "invalid_api_key"
+    a = openai.OpenAI(base_url=url, api_key="sk-a", max_retries=0)
+    with pytest.raises(openai.RateLimitError) as err:  # 10 + 35 tokens > the 40-token cap per request
+        a.completions.create(model=MODEL_ID, prompt="x" * 10, max_tokens=35)
+    assert "per-request cap" in err.value.body["message"]
+    ok = a.completions.create(model=MODEL_ID, prompt="x" * 10, max_tokens=20, temperature=0)
+    used = ok.usage.compute_units
+    assert used == (10 + ok.usage.completion_tokens) * 4 - 4  # the last token's KV is never computed
+    with pytest.raises(openai.RateLimitError) as err:  # 60 - 29 units' worth of tokens left < 10 + 25
+        a.completions.create(model=MODEL_ID, prompt="x" * 10, max_tokens=25)
+    assert "left" in err.value.body["message"] and err.value.body["code"] == "insufficient_quota"
+    b = openai.OpenAI(base_url=url, api_key="sk-b", max_retries=0)
+    assert b.completions.create(model=MODEL_ID, prompt="x" * 10, max_tokens=30, temperature=0).usage.completion_tokens

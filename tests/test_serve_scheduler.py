@@ -1,0 +1,169 @@
+"""Continuous batching: requests joining at random steps, a pool small enough to force
+preemption, each request's tokens equal to its solo run; priorities, cancel, bad requests."""
+
+import numpy as np
+import pytest
+
+import gemini_jax as gj
+from gemini_jax.config import ServeConfig
+from gemini_jax.data import corpus
+from gemini_jax.errors import ConfigError, ContextLengthError, TokenError
+from gemini_jax.serve import Request, Scheduler
+
+SEED = 7
+POOL_PAGES = 40  # 39 usable pages of 16 tokens: 8 requests of up to ~200 tokens do not fit at once
+
+
+@pytest.fixture(scope="module")
+def model():
+    return gj.load_tiny()
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    # One step per decode call: solo runs compile the very shapes the scheduler's batch-of-one
+    # calls use, so the module compiles each shape once.
+    cfg = gj.config.from_dict(gj.EngineConfig, dict(
+        max_seq_len=256, prefill_chunk=64, max_batch=8, decode_steps_per_call=1,
+        cache=dict(block_size=16, num_pages=POOL_PAGES)))
+    with gj.Engine(model, cfg) as eng:
+        yield eng
+
+
+def _workload(seed: int, n: int):
+    """n (prompt, max_new_tokens, join step) from held-out text at random offsets."""
+    rng = np.random.default_rng(seed)
+    _, text = corpus.load_split("heldout")
+    out = []
+    for _ in range(n):
+        length = int(rng.integers(16, 160))
+        off = int(rng.integers(0, len(text) - length))
+        out.append((text[off:off + length].astype(np.int32).tolist(), int(rng.integers(8, 40)),
+                    int(rng.integers(0, 60))))
+    return out
+
+
+@pytest.fixture(scope="module")
+def churn(engine):
+    work = _workload(SEED, 32)
+    solo = [engine.generate(p, gj.SamplingParams(max_new_tokens=m)).tokens for p, m, _ in work]
+    return work, solo
+
+
+def _serve(engine, work, config, params=None):
+    sched = Scheduler(engine, config)
+    reqs = [Request(f"r{i}", p, params or gj.SamplingParams(max_new_tokens=m)) for i, (p, m, _) in enumerate(work)]
+    step = 0
+    last_join = max(j for _, _, j in work)
+    while True:
+        for r, (_, _, join) in zip(reqs, work):
+            if join == step:
+                sched.submit(r)
+        worked = sched.step()
+        step += 1
+        if step > last_join and not worked:
+            break
+    return sched, reqs
+
+
+@pytest.mark.parametrize("preempt", ["swap", "recompute"])
+def test_churn_each_request_gets_its_solo_tokens(engine, churn, preempt):
+    """32 greedy requests of 16-160 prompt tokens joining at random steps, a 39-page pool:
+    preemption happens, and every request's tokens are exactly its solo run's."""
+    work, solo = churn
+    sched, reqs = _serve(engine, work, ServeConfig(step_tokens=96, preempt=preempt))
+    assert sched.preemptions > 0, f"seed {SEED}: the pool was meant to force preemption"
+    assert sched.decode_rows > sched.steps, f"seed {SEED}: requests never shared a decode call"
+    for i, r in enumerate(reqs):
+        assert r.generated == solo[i], f"seed {SEED} {preempt}: request {i} differs from its solo run"
+        assert r.finish_reason in ("stop", "length"), (i, r.finish_reason)
+    pool = engine.kv.pool
+    pool.check()
+    assert pool.num_free == pool.num_pages - 1 and not engine.kv.seqs, "pages left owned after every request ended"
+
+
+def test_a_planted_scheduling_bug_is_caught(engine, churn, monkeypatch):
+    """The churn check can fail: a swap that loses the last page's bytes changes tokens."""
+    from gemini_jax.runtime import images
+
+    work, solo = churn
+    real_take = images.take
+
+    def lossy(kv, store, sid):
+        img = real_take(kv, store, sid)
+        k = img.k.copy()
+        if k.shape[2]:
+            k[:, :, -1] = 0.0  # the last page, where the next tokens attend most
+        return images.SequenceImage(tokens=img.tokens, null_pages=img.null_pages, k=k, v=img.v, digests=img.digests)
+
+    monkeypatch.setattr(images, "take", lossy)
+    sched, reqs = _serve(engine, work[:16], ServeConfig(step_tokens=96, preempt="swap"))
+    assert sched.preemptions > 0
+    assert any(r.generated != s for r, s in zip(reqs, solo[:16])), "a lossy swap went unnoticed"
+
+
+def test_priority_overtakes_the_queue_and_cancel_frees_pages(engine, churn):
+    """A better priority is admitted before requests queued earlier; a cancelled request ends
+    with its pages back in the pool, and the others still get their solo tokens."""
+    from gemini_jax.serve import Phase
+
+    work, solo = churn
+    sched = Scheduler(engine, ServeConfig(step_tokens=96))
+    low = [Request(f"low{i}", work[i][0], gj.SamplingParams(max_new_tokens=work[i][1]), priority=5)
+           for i in range(12)]
+    for r in low:
+        sched.submit(r)
+    sched.step()
+    queued = [r for r in low if r.phase is Phase.WAITING]
+    assert queued, "the batch was meant to be full"
+    high = sched.submit(Request("high", work[12][0], gj.SamplingParams(max_new_tokens=work[12][1]), priority=0))
+    victim = next(r for r in low if r.phase is not Phase.WAITING)
+    victim.cancel_requested = True
+    sched.run_until_idle()
+    assert victim.finish_reason == "cancelled"
+    assert high.t_first < min(r.t_first for r in queued), "the better priority waited behind the queue"
+    assert high.generated == solo[12]
+    assert all(r.generated == solo[i] for i, r in enumerate(low) if r is not victim)
+    assert engine.kv.pool.num_free == engine.kv.pool.num_pages - 1 and not engine.kv.seqs
+
+
+def test_preemption_takes_the_worst_ranked(engine, churn):
+    """When pages run out, the request preempted is the worst-ranked one (highest priority value)."""
+    work, _ = churn
+    sched = Scheduler(engine, ServeConfig(step_tokens=512))
+    long = sorted(range(len(work)), key=lambda i: -len(work[i][0]))[:8]
+    reqs = [Request(f"r{i}", work[i][0], gj.SamplingParams(max_new_tokens=39), priority=k % 3)
+            for k, i in enumerate(long)]
+    for r in reqs:
+        sched.submit(r)
+    first = None
+    while sched.step():
+        if first is None and sched.preemptions:
+            first = [r for r in reqs if r.preemptions]
+    assert first, "the pool was meant to force preemption"
+    assert all(r.priority == 2 for r in first), [(r.rid, r.priority) for r in first]
+
+
+def test_bad_requests_are_refused_and_change_nothing(engine):
+    sched = Scheduler(engine, ServeConfig())
+    free = engine.kv.pool.num_free
+    with pytest.raises(TokenError):
+        sched.submit(Request("bad", [1, 2, 100000], gj.SamplingParams()))
+    with pytest.raises(ContextLengthError, match="max_tokens"):
+        sched.submit(Request("long", [1] * 250, gj.SamplingParams(max_new_tokens=10)))
+    assert sched.idle and engine.kv.pool.num_free == free
+
+
+def test_contiguous_cache_is_refused(model):
+    eng = gj.Engine(model, gj.config.from_dict(gj.EngineConfig, dict(max_seq_len=64, cache=dict(kind="contiguous"))))
+    with pytest.raises(ConfigError, match="paged"):
+        Scheduler(eng, ServeConfig())
+
+
+def test_serve_config_errors_name_the_field():
+    with pytest.raises(ConfigError, match="serve.preempt"):
+        ServeConfig(preempt="drop")
+    with pytest.raises(ConfigError, match="serve.port"):
+        ServeConfig(port=70000)
+    with pytest.raises(ConfigError, match="serve.step_tokens"):
+        ServeConfig(step_tokens=0)
