@@ -250,3 +250,79 @@ def test_keys_and_quotas(keyed):
     assert "left" in err.value.body["message"] and err.value.body["code"] == "insufficient_quota"
     b = openai.OpenAI(base_url=url, api_key="sk-b", max_retries=0)
     assert b.completions.create(model=MODEL_ID, prompt="x" * 10, max_tokens=30, temperature=0).usage.completion_tokens
+
+
+def _stream_until(server, body, k, interrupt):
+    """Stream a completion; after `k` text chunks call `interrupt(id)`; return (id, text, finish)."""
+    pieces, finish, sid = [], None, None
+    with httpx.Client(timeout=120) as http:
+        with http.stream("POST", server.url + "/v1/completions", json=body) as resp:
+            for line in resp.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                ch = json.loads(line[6:])
+                sid = ch["id"]
+                pieces.append(ch["choices"][0]["text"])
+                finish = ch["choices"][0]["finish_reason"] or finish
+                if len(pieces) == k:
+                    interrupt(sid)
+    return sid, "".join(pieces), finish
+
+
+@pytest.mark.parametrize("rewind", [False, True])
+def test_interrupt_and_resume_over_http_equal_engine_resume(server, tmp_path, rewind):
+    """Interrupt a stream at a random token, resume it with an instruction (and a rewind): the
+    tokens equal `Engine.resume` from a snapshot at that token, and the audit chain replays."""
+    from gemini_jax.session import verify
+
+    seed = SEED + 10 + rewind
+    rng = np.random.default_rng(seed)
+    tok = gj.ByteTokenizer()
+    state = server.state
+    prompt = _prompts(1, seed)[0]
+    k = int(rng.integers(3, 20))
+    got = {}
+
+    def interrupt(sid):
+        r = httpx.post(f"{server.url}/v1/sessions/{sid}/interrupt", timeout=60)
+        got["interrupt"] = r
+
+    body = {"model": MODEL_ID, "prompt": prompt, "max_tokens": 200, "temperature": 0, "stream": True}
+    sid, text, finish = _stream_until(server, body, k, interrupt)
+    r = got["interrupt"]
+    assert r.status_code == 200, r.text
+    assert finish == "interrupted"
+    t, position = r.json()["generated_tokens"], r.json()["position"]
+    assert t >= k and position == len(tok.encode(prompt)) + t
+
+    instruction = "\n# now in French\n"
+    rewind_to = int(rng.integers(1, position + 1)) if rewind else None
+    resumed = httpx.post(f"{server.url}/v1/sessions/{sid}/resume", timeout=120, json={
+        "instruction": instruction, "rewind_to": rewind_to, "max_tokens": 24, "temperature": 0}).json()
+    assert resumed["object"] == "text_completion", resumed
+
+    _wait_idle(state)
+    with state.worker.lock:  # the engine-level reference, on the same engine while the server idles
+        params = gj.SamplingParams(max_new_tokens=200, temperature=0.0)
+        sess = state.engine.start(tok.encode(prompt), params)
+        first = [next(sess) for _ in range(t)]
+        path = str(tmp_path / "ref")
+        sess.snapshot(path)
+        sess.close()
+        again = state.engine.resume(path, tok.encode(instruction), rewind_to=rewind_to,
+                                    params=gj.SamplingParams(max_new_tokens=24, temperature=0.0))
+        want = again.run()
+        again.close()
+        ok, msg = verify(state.sessions.audit_path, state.engine)
+    assert tok.decode(first) == text, f"seed {seed}: the interrupted stream differs from the engine's tokens"
+    assert resumed["choices"][0]["text"] == tok.decode(want), f"seed {seed}: resume differs from Engine.resume"
+    assert ok and "replayed" in msg, msg
+
+
+def test_session_errors(server):
+    r = httpx.post(f"{server.url}/v1/sessions/cmpl-nope/interrupt")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "session_not_found"
+    done = httpx.post(server.url + "/v1/completions", timeout=60,
+                      json={"model": MODEL_ID, "prompt": "x = 1", "max_tokens": 2}).json()
+    r = httpx.post(f"{server.url}/v1/sessions/{done['id']}/resume", json={"instruction": "y"})
+    assert r.status_code == 404  # an ended request is not kept

@@ -1,5 +1,7 @@
 """The OpenAI-compatible HTTP app (Starlette): `/v1/models`, `/v1/completions`,
-`/v1/chat/completions` (with SSE streaming and usage), `/metrics`.
+`/v1/chat/completions` (with SSE streaming and usage), `/metrics`, and interruptible sessions:
+`POST /v1/sessions/{id}/interrupt | snapshot | resume`, `DELETE /v1/sessions/{id}` (the id is the
+completion's).
 
     app = create_app(engine, tokenizer, ServeConfig())     # then uvicorn.run(app, ...)
 
@@ -25,14 +27,16 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from gemini_jax.config import SamplingParams, ServeConfig
-from gemini_jax.errors import AuthError, ContextLengthError, QuotaExceeded, SamplingError, TokenError
+from gemini_jax.errors import AuthError, ContextLengthError, QuotaExceeded, SamplingError, SnapshotError, TokenError
 from gemini_jax.serve.metrics import CONTENT_TYPE, Metrics
 from gemini_jax.serve.quotas import Quotas, Tenant
 from gemini_jax.serve.request import Request
 from gemini_jax.serve.scheduler import Scheduler
+from gemini_jax.serve.sessions import Sessions, Turn
 from gemini_jax.serve.worker import Worker
 
 DEFAULT_MAX_TOKENS = 16  # /v1/completions' default, as OpenAI's
+INTERRUPT_WAIT_S = 60  # an interrupt waits this long for the request's next token boundary
 
 
 class ApiError(Exception):
@@ -82,10 +86,12 @@ class Server:
         self.scheduler = Scheduler(engine, config)
         self.worker = Worker(self.scheduler)
         self.metrics = Metrics(self.worker)
+        self.sessions = Sessions(engine, config.state_dir)
         self.layers = engine.model_cfg.num_layers
 
     def close(self) -> None:
         self.worker.close()
+        self.sessions.close()
 
     # ---- checks -----------------------------------------------------------------------------------
     def tenant(self, http: HttpRequest) -> Optional[Tenant]:
@@ -125,12 +131,12 @@ class Server:
             raise ApiError(400, str(e)) from None
 
     # ---- a request through the scheduler ----------------------------------------------------------
-    def start(self, tokens: list, params: SamplingParams, body: dict, tenant: Optional[Tenant],
-              loop: asyncio.AbstractEventLoop) -> tuple[Request, asyncio.Queue]:
-        """Check, reserve units, and hand the request to the worker; its tokens arrive on the queue
-        (None at the end)."""
+    def start(self, req: Request, body: dict, tenant: Optional[Tenant], loop: asyncio.AbstractEventLoop,
+              prefix: str, turn: Optional[Turn] = None) -> tuple[str, asyncio.Queue]:
+        """Check `req`, reserve its units, and hand it to the worker; returns its API id and the
+        queue its tokens arrive on (None at the end). A resumed `turn` is audited when it ends."""
         try:
-            self.scheduler.check(tokens, params)
+            self.scheduler.check(req.tokens, req.params)
         except ContextLengthError as e:
             raise ApiError(400, str(e), param="max_tokens", code="context_length_exceeded") from None
         except TokenError as e:
@@ -141,25 +147,61 @@ class Server:
         priority = body.get("priority", 0)
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ApiError(400, f"priority={priority!r} must be an integer (lower runs first).", param="priority")
-        units = (len(tokens) + params.max_new_tokens) * self.layers
+        units = (len(req.tokens) + req.params.max_new_tokens) * self.layers
         if tenant is not None:
             try:
                 self.quotas.reserve(tenant, units)
             except QuotaExceeded as e:
                 raise ApiError(429, str(e), "insufficient_quota", code="insufficient_quota") from None
         out: asyncio.Queue = asyncio.Queue()
+        api_id = f"{prefix}-{uuid.uuid4().hex[:24]}"
 
-        def sink(req: Request, token: Optional[int]) -> None:  # the scheduler's thread
+        def sink(r: Request, token: Optional[int]) -> None:  # the scheduler's thread
             if token is None:
                 if tenant is not None:
-                    self.quotas.settle(tenant, units, req.compute_units)
-                self.metrics.finished(req)
+                    self.quotas.settle(tenant, units, r.compute_units)
+                self.metrics.finished(r)
+                if turn is not None:
+                    self.sessions.record(turn, r)
+                self.sessions.ended(api_id, r)
             loop.call_soon_threadsafe(out.put_nowait, token)
 
-        req = Request(f"req-{uuid.uuid4().hex[:12]}", list(tokens), params, priority=priority,
-                      tenant=tenant.name if tenant else "", sink=sink)
+        req.rid, req.priority, req.tenant, req.sink = api_id, priority, tenant.name if tenant else "", sink
+        self.sessions.add(api_id, req)
         self.worker.submit(req)
-        return req, out
+        return api_id, out
+
+    async def respond(self, req: Request, out: asyncio.Queue, api_id: str, body: dict, *, chat: bool):
+        """The completion (or chat completion) response: streamed as SSE, or whole at the end."""
+        created = int(time.time())
+        if body.get("stream"):
+            opts = body.get("stream_options") or {}
+            return StreamingResponse(_stream(self, req, out, api_id, created, chat, bool(opts.get("include_usage"))),
+                                     media_type="text/event-stream")
+        text = TextStream(self.tokenizer)
+        try:
+            while (tok := await out.get()) is not None:
+                text.push(tok)
+        finally:
+            if not req.finished:
+                self.worker.cancel(req)
+        if req.finish_reason == "error":
+            raise ApiError(500, f"generation failed: {req.error}", "server_error")
+        content = text.sent + text.push(None, final=True)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": content}} if chat else
+                  {"index": 0, "text": content, "logprobs": None})
+        choice["finish_reason"] = _finish_reason(req)
+        return JSONResponse({"id": api_id, "object": "chat.completion" if chat else "text_completion",
+                             "created": created, "model": self.config.model_id, "choices": [choice],
+                             "usage": _usage(req)})
+
+    def session(self, http: HttpRequest) -> tuple[str, Request]:
+        sid = http.path_params["sid"]
+        req = self.sessions.get(sid)
+        if req is None:
+            raise ApiError(404, f"no session {sid!r}: it ended without an interrupt, was deleted, or never existed.",
+                           param="id", code="session_not_found")
+        return sid, req
 
 
 def _int(v, name: str) -> int:
@@ -233,28 +275,67 @@ def create_app(engine, tokenizer, config: ServeConfig | None = None) -> Starlett
             tokens = _prompt_tokens(body.get("prompt"), tokenizer)
         params = server.sampling(body, DEFAULT_MAX_TOKENS if not chat else
                                  max(1, min(256, engine.config.max_seq_len - len(tokens))))
-        req, out = server.start(tokens, params, body, tenant, asyncio.get_running_loop())
-        rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{req.rid[4:]}", int(time.time())
-        kind = "chat.completion" if chat else "text_completion"
-        if body.get("stream"):
-            opts = body.get("stream_options") or {}
-            return StreamingResponse(_stream(server, req, out, rid, created, chat, bool(opts.get("include_usage"))),
-                                     media_type="text/event-stream")
-        text = TextStream(tokenizer)
+        req = Request("", list(tokens), params)
+        api_id, out = server.start(req, body, tenant, asyncio.get_running_loop(), "chatcmpl" if chat else "cmpl")
+        return await server.respond(req, out, api_id, body, chat=chat)
+
+    # ---- interrupt, snapshot, resume --------------------------------------------------------------
+    async def interrupt(http: HttpRequest):
+        server.tenant(http)
+        sid, req = server.session(http)
+        if req.finished and req.finish_reason != "interrupted":
+            raise ApiError(409, f"session {sid} already ended ({req.finish_reason}).", code="session_ended")
+        server.worker.interrupt(req)
+        deadline = time.time() + INTERRUPT_WAIT_S
+        while not req.finished:
+            if time.time() > deadline:
+                raise ApiError(504, f"session {sid} did not reach a token boundary within {INTERRUPT_WAIT_S} s.",
+                               "server_error")
+            await asyncio.sleep(0.005)
+        if req.finish_reason != "interrupted":
+            raise ApiError(409, f"session {sid} ended ({req.finish_reason}) before the interrupt took effect.",
+                           code="session_ended")
+        return JSONResponse({"id": sid, "object": "session", "status": "interrupted",
+                             "position": len(req.image.tokens), "generated_tokens": req.new_tokens})
+
+    async def snapshot(http: HttpRequest):
+        server.tenant(http)
+        sid, req = server.session(http)
         try:
-            while (tok := await out.get()) is not None:
-                text.push(tok)
-        finally:
-            if not req.finished:
-                server.worker.cancel(req)
-        if req.finish_reason == "error":
-            raise ApiError(500, f"generation failed: {req.error}", "server_error")
-        content = text.sent + text.push(None, final=True)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": content}} if chat else
-                  {"index": 0, "text": content, "logprobs": None})
-        choice["finish_reason"] = _finish_reason(req)
-        return JSONResponse({"id": rid, "object": kind, "created": created, "model": config.model_id,
-                             "choices": [choice], "usage": _usage(req)})
+            path, digest = await asyncio.to_thread(server.sessions.snapshot, sid, req)
+        except SnapshotError as e:
+            raise ApiError(409, str(e), code="session_not_interrupted") from None
+        return JSONResponse({"id": sid, "object": "session.snapshot", "path": path, "snapshot_hash": digest})
+
+    async def resume(http: HttpRequest):
+        tenant = server.tenant(http)
+        sid, old = server.session(http)
+        body = await _body(http)
+        if body.get("model", config.model_id) != config.model_id:
+            server.check_model(body)
+        if old.finish_reason != "interrupted":
+            raise ApiError(409, f"session {sid} is not interrupted ({old.finish_reason or old.phase.value}); "
+                                f"interrupt it first.", code="session_not_interrupted")
+        text = body.get("instruction")
+        if text is not None and not isinstance(text, str):
+            raise ApiError(400, "instruction must be a string.", param="instruction")
+        instruction = tokenizer.encode(text) if text else list(body.get("instruction_tokens") or [])
+        rewind_to = body.get("rewind_to")
+        if rewind_to is not None:
+            _int(rewind_to, "rewind_to")
+        params = server.sampling(body, DEFAULT_MAX_TOKENS)
+        try:
+            req, turn = await asyncio.to_thread(server.sessions.turn, sid, old, instruction, rewind_to, params, text)
+        except ValueError as e:
+            raise ApiError(400, str(e), param="rewind_to") from None
+        api_id, out = server.start(req, body, tenant, asyncio.get_running_loop(), "cmpl", turn)
+        return await server.respond(req, out, api_id, body, chat=False)
+
+    async def delete(http: HttpRequest):
+        server.tenant(http)
+        sid, _ = server.session(http)
+        server.sessions.delete(sid)
+        return JSONResponse({"id": sid, "object": "session", "deleted": True})
 
     async def metrics(http: HttpRequest):
         return Response(server.metrics.render(), media_type=CONTENT_TYPE)
@@ -268,6 +349,10 @@ def create_app(engine, tokenizer, config: ServeConfig | None = None) -> Starlett
         Route("/v1/models", errors(models), methods=["GET"]),
         Route("/v1/completions", errors(completions), methods=["POST"]),
         Route("/v1/chat/completions", errors(chat_completions), methods=["POST"]),
+        Route("/v1/sessions/{sid}/interrupt", errors(interrupt), methods=["POST"]),
+        Route("/v1/sessions/{sid}/snapshot", errors(snapshot), methods=["POST"]),
+        Route("/v1/sessions/{sid}/resume", errors(resume), methods=["POST"]),
+        Route("/v1/sessions/{sid}", errors(delete), methods=["DELETE"]),
         Route("/metrics", metrics, methods=["GET"]),
     ], lifespan=lifespan)
     app.state.server = server

@@ -56,6 +56,9 @@ class Request:
     pieces: deque = field(default_factory=deque)  # prefill chunks left (chunking.prefill_pieces items)
     image: Optional[SequenceImage] = None  # the pages while preempted (swap mode) or once interrupted
     logits: Optional[np.ndarray] = None  # f32[V] after the last written token (kept by an interrupt)
+    # A resumed session's turn: `image` holds the earlier turn's pages, `tokens` = its first `keep`
+    # tokens + the instruction; `rewind` recomputes token keep-1 as `Engine.resume(rewind_to=keep)` does.
+    resume: Optional[tuple] = None  # (keep, rewind)
     finish_reason: Optional[str] = None
     error: Optional[str] = None
     compute_units: int = 0

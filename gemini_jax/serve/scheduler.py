@@ -138,12 +138,13 @@ class Scheduler:
     def _pages_to_enter(self, r: Request) -> int:
         S = self.engine.config.cache.block_size
         if r.image is not None:
-            return r.image.num_pages
+            return r.image.num_pages + (r.resume is not None)  # a rewind copies its partial page
         first = r.pieces[0] if r.pieces else None
         return -(-(int(first[1][0]) + first[2]) // S) if first is not None else -(-len(r.tokens) // S)
 
     def _enter(self, r: Request) -> None:
-        """Give `r` a sequence in the pool: its image back (swap), or its tokens to prefill."""
+        """Give `r` a sequence in the pool: its image back (swap, or a resumed session's turn), or
+        its tokens to prefill."""
         kv = self.engine.kv
         if r.seq_id is None:
             r.seq_id = self.engine.ctx.new_ids(1)[0]
@@ -151,6 +152,11 @@ class Scheduler:
             images.restore(kv, self.engine.store, r.seq_id, r.image)
             r.image = None
             r.phase = Phase.DECODE if r.pending is not None else Phase.PREFILL
+            if r.resume is not None:
+                self.live.append(r)
+                self._sync_ids()
+                self._start_turn(r)
+                return
         else:
             toks = r.prompt_array()
             r.pending = None  # recompute: a pending token is prefilled with the rest
@@ -159,6 +165,27 @@ class Scheduler:
             r.phase = Phase.PREFILL
         self.live.append(r)
         self._sync_ids()
+
+    def _start_turn(self, r: Request) -> None:
+        """A resumed session over its restored pages: rewind, then prefill the instruction, in the
+        calls `Engine.resume` makes (the rewound token alone, then the instruction's chunks)."""
+        keep, rewind = r.resume
+        r.resume = None
+        toks = r.prompt_array()
+        pieces = []
+        if rewind:
+            copies = self.engine.kv.truncate(r.seq_id, keep - 1)
+            if copies:
+                self.engine.store.copy_pages([c.src for c in copies], [c.dst for c in copies])
+            pieces += prefill_pieces(self.engine.config, toks[:keep], keep - 1)
+        if len(toks) > keep:
+            pieces += prefill_pieces(self.engine.config, toks, keep)
+        r.pieces = deque(pieces)
+        if r.pieces:
+            r.phase = Phase.PREFILL
+        else:  # nothing new: the next token comes from the logits the interrupt kept
+            r.phase = Phase.DECODE
+            self._after_logits([r], np.asarray(r.logits)[None])
 
     def _sync_ids(self) -> None:
         # The runner's rows are every live sequence (tiers pin each one's sink and last pages).

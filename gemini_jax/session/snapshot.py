@@ -55,7 +55,11 @@ def _differences(a: dict, b: dict, prefix: str = "") -> list[str]:
     return out
 
 
-def save_snapshot(sess, path: str, *, include_kv: bool = True) -> str:
+def save_snapshot(sess, path: str, *, include_kv: bool = True, image: "images.SequenceImage | None" = None) -> str:
+    """Save `sess` (a `Session`, or any object with its fields: engine, seq_id, logits f32[1, V],
+    prompt_len, generated, new_tokens, finished, params, sample_index, budget, compute_units)
+    atomically; returns the content hash. `image`: the sequence's pages when they are off the
+    pool already (a server's interrupted request), else they are read from the store."""
     from orbax import checkpoint as ocp
 
     if not include_kv:
@@ -63,7 +67,7 @@ def save_snapshot(sess, path: str, *, include_kv: bool = True) -> str:
                             "which this engine does not have; use include_kv=True.")
     e = sess.engine
     # Pages wherever they live: the device pool, or device slots, host RAM and disk under tiers.
-    image = images.take(e.kv, e.store, sess.seq_id)
+    image = image if image is not None else images.take(e.kv, e.store, sess.seq_id)
     arrays = {"logits": np.asarray(sess.logits[0]), "k": image.k, "v": image.v}
     if image.digests is not None:
         arrays["digests"] = image.digests
