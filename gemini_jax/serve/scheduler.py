@@ -4,8 +4,9 @@
     sched.submit(Request("r1", prompt, SamplingParams(max_new_tokens=64), sink=on_token))
     while sched.step(): ...          # or a `Worker` thread runs it for the HTTP server
 
-One step: (1) admit waiting requests, best rank first, while the batch has room
-(`EngineConfig.max_batch`) and pages; (2) one decode call over every decoding request (its
+One step: (1) admit waiting requests, best first (priority, then the tenant holding fewer
+live requests, then arrival), while the batch has room (`EngineConfig.max_batch`) and pages; a
+tenant below its share of the batch (max_batch / tenants) takes a slot from the tenant above it; (2) one decode call over every decoding request (its
 pending token written, the next one sampled with the request's own sampling parameters);
 (3) prefill chunks of joining requests while `ServeConfig.step_tokens` lasts. When pages run out
 the worst-ranked request (highest `priority`, latest arrival) is preempted: `swap` copies its pages
@@ -21,7 +22,7 @@ swapped request resumes from its own bytes.
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
 from typing import Optional
 
 import numpy as np
@@ -50,7 +51,8 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.live: list[Request] = []  # PREFILL or DECODE, holding pages
         self.arrivals = 0
-        self.preemptions = 0
+        self.preemptions = 0  # every preemption (pages ran out, or a tenant's fair share)
+        self.fair_preemptions = 0
         self.steps = 0
         self.decode_rows = 0  # sum over decode calls of their batch size
         self._eos = engine.model_cfg.eos_id
@@ -120,20 +122,49 @@ class Scheduler:
                 self._finish(r, "cancelled")
 
     # ---- admission --------------------------------------------------------------------------------
+    def _order(self, reqs) -> list:
+        """Best first: priority, then the tenant holding fewer live requests (one tenant's burst
+        never starves another's), then arrival (first come, first served)."""
+        held = Counter(r.tenant for r in self.live)
+        return sorted(reqs, key=lambda r: (r.priority, held[r.tenant], r.arrival))
+
     def _admit(self) -> None:
-        self.waiting.sort(key=lambda r: r.rank)
-        while self.waiting and len(self.live) < self.engine.config.max_batch:
-            r = self.waiting[0]
+        while self.waiting:
+            r = self._order(self.waiting)[0]
+            if len(self.live) >= self.engine.config.max_batch and not self._fair_preempt(r):
+                return
             # Room for what it brings back, and for one more page per decoding request next step.
             reserve = sum(1 for x in self.live if x.phase is Phase.DECODE)
             if self._pages_to_enter(r) + reserve > self.engine.kv.pool.num_free and self.live:
-                return  # it waits for pages (first come, first served: nobody overtakes it)
-            self.waiting.pop(0)
+                return  # it waits for pages (nobody overtakes it)
+            self.waiting.remove(r)
             try:
                 self._enter(r)
             except CacheExhausted:  # shared pages counted as free were not: try again next step
-                self.waiting.insert(0, r)
+                self.waiting.append(r)
                 return
+
+    def _fair_share_victim(self, r: Request) -> Optional[Request]:
+        """With the batch full: a request of the tenant holding the most slots, when `r`'s tenant
+        holds fewer than its share (max_batch / tenants) and that one more (of equal or lower priority)."""
+        held = Counter(x.tenant for x in self.live)
+        tenants = set(held) | {r.tenant}
+        if len(tenants) < 2:
+            return None
+        share = max(1, self.engine.config.max_batch // len(tenants))
+        heavy, most = held.most_common(1)[0]
+        if held[r.tenant] >= share or most <= share or heavy == r.tenant:
+            return None
+        victims = [x for x in self.live if x.tenant == heavy and x.priority >= r.priority]
+        return max(victims, key=lambda x: x.rank) if victims else None
+
+    def _fair_preempt(self, r: Request) -> bool:
+        victim = self._fair_share_victim(r)
+        if victim is None:
+            return False
+        self._preempt(victim)
+        self.fair_preemptions += 1
+        return True
 
     def _pages_to_enter(self, r: Request) -> int:
         S = self.engine.config.cache.block_size
@@ -292,7 +323,7 @@ class Scheduler:
     def _prefill(self) -> None:
         budget = self.config.step_tokens - sum(1 for r in self.live if r.phase is Phase.DECODE)
         ran = False
-        for r in sorted((r for r in self.live if r.phase is Phase.PREFILL), key=lambda r: r.rank):
+        for r in self._order(r for r in self.live if r.phase is Phase.PREFILL):
             while r.pieces and r.phase is Phase.PREFILL:
                 padded, pos, n = r.pieces[0]
                 if ran and n > budget:
