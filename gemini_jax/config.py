@@ -571,7 +571,8 @@ class ServeConfig:
     prompt never waits on a budget smaller than `EngineConfig.prefill_chunk`). `preempt`: what
     happens to the lowest-ranked request when pages run out: `swap` copies its pages to host
     memory and back (the same bytes, so the same tokens), `recompute` frees them and prefills its
-    tokens again. `max_waiting`: requests queued beyond the running batch before new ones get 503.
+    tokens again. `pad_batch`: fill each decode call up to a power of two with scratch rows, so
+    few batch shapes compile (the pooled cache; tiers run the rows as they are). `max_waiting`: requests queued beyond the running batch before new ones get 503.
     `api_keys`: a JSON file {key: {tenant, pool, per_request}} (compute units, see
     `gemini_jax.serve.quotas`); None accepts any key, with no quotas (the loopback default).
     `state_dir`: where `/snapshot` writes Orbax snapshots and the audit log lives (None: a
@@ -584,6 +585,7 @@ class ServeConfig:
     step_tokens: int = 512
     preempt: str = "swap"
     max_waiting: int = 256
+    pad_batch: bool = True
     api_keys: Optional[str] = None
     state_dir: Optional[str] = None
 

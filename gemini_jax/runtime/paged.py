@@ -71,14 +71,17 @@ class PageRunner(abc.ABC):
         count_prefill(self.stats, ctx.model_cfg, n)
         return logits
 
-    def decode(self, nxt, lengths, ids=None):
+    def decode(self, nxt, lengths, ids=None, *, pad: int = 0):
         """One token per sequence (`nxt` i32[B]) at positions `lengths` i32[B]; next logits.
-        `ids`: which sequences (default: the runner's own, in order)."""
+        `ids`: which sequences (default: the runner's own, in order). `pad`: the last `pad` rows
+        only fill the batch to a compiled shape (their tokens are not committed, their reads are
+        counted: the device did them)."""
         ids = self.ids if ids is None else list(ids)
         for sid, n in zip(ids, lengths):
             self._reserve(sid, int(n) + 1)
         logits, (page_reads, key_reads, width) = self._call(StepBatch.decode_step(ids, nxt, lengths))
-        self.commit(np.asarray(nxt, np.int32)[:, None], ids)
+        real = len(ids) - pad
+        self.commit(np.asarray(nxt, np.int32)[:real, None], ids[:real])
         self._count(int(page_reads), int(key_reads), width, 1, len(ids))
         return logits
 

@@ -9,7 +9,8 @@ Errors have OpenAI's shape, {"error": {"message", "type", "param", "code"}}: 400
 that cannot run (bad JSON or field, too long for the context), 401 for a missing or unknown key
 (when `serve.api_keys` is set), 404 for an unknown model, 429 when a quota would be passed,
 503 when the queue is full. Extensions beyond OpenAI's fields: `priority` (int, lower runs first)
-in a request body, `compute_units` in `usage`.
+and `ignore_eos` (bool, generate max_tokens tokens whatever comes) in a request body,
+`compute_units` in `usage`, finish_reason "interrupted" for a stream stopped by an interrupt.
 """
 
 from __future__ import annotations
@@ -126,7 +127,8 @@ class Server:
                                   temperature=_number(body.get("temperature", 1.0), "temperature"),
                                   top_p=_number(body.get("top_p", 1.0), "top_p"),
                                   top_k=_int(body.get("top_k", 0), "top_k"),
-                                  seed=0 if seed is None else _int(seed, "seed"))
+                                  seed=0 if seed is None else _int(seed, "seed"),
+                                  stop_at_eos=not body.get("ignore_eos", False))
         except SamplingError as e:
             raise ApiError(400, str(e)) from None
 

@@ -35,6 +35,7 @@ from gemini_jax.runtime.chunking import prefill_pieces
 from gemini_jax.runtime.paged import PageRunner
 from gemini_jax.sampling import sample_with
 from gemini_jax.serve.request import Phase, Request
+from gemini_jax.tiers import TieredStore
 
 
 class Scheduler:
@@ -56,6 +57,7 @@ class Scheduler:
         self.steps = 0
         self.decode_rows = 0  # sum over decode calls of their batch size
         self._eos = engine.model_cfg.eos_id
+        self._tiered = isinstance(engine.store, TieredStore)  # tiered runs keep one row per sequence
         self._layers = engine.model_cfg.num_layers
 
     # ---- requests in ------------------------------------------------------------------------------
@@ -268,16 +270,41 @@ class Scheduler:
             return
         kv = self.engine.kv
         ids = [r.seq_id for r in rows]
-        lengths = np.asarray([kv.seqs[s].num_tokens for s in ids], np.int32)
-        logits = self.runner.decode(np.asarray([r.pending for r in rows], np.int32), lengths, ids)
+        lengths = [kv.seqs[s].num_tokens for s in ids]
+        tokens = [r.pending for r in rows]
+        pad_sid = self._pad_rows(ids, tokens, lengths, sum(self._new_pages(r) for r in rows))
+        try:
+            logits = self.runner.decode(np.asarray(tokens, np.int32), np.asarray(lengths, np.int32), ids,
+                                        pad=len(ids) - len(rows))
+        finally:
+            if pad_sid is not None:
+                kv.free(pad_sid)
         self.stats.decode_steps += 1
         self.stats.compute_units += len(rows) * self._layers
         self.decode_rows += len(rows)
-        logits = np.asarray(logits)
+        logits = np.asarray(logits)[:len(rows)]
         for r in rows:
             r.pending = None
             r.compute_units += self._layers
         self._after_logits(rows, logits)
+
+    def _pad_rows(self, ids: list, tokens: list, lengths: list, need: int) -> Optional[int]:
+        """With `serve.pad_batch`, fill the decode batch up to a power of two with rows of a scratch
+        sequence (one page, position 0), so batch sizes 1..max_batch compile log2(max_batch) + 1
+        programs instead of max_batch. The real rows never read its page. Returns its id (freed
+        after the call), or None (no padding: tiers, no page left beyond the `need` the real rows
+        take, or a batch already a power of two)."""
+        n = len(ids)
+        target = 1 << (n - 1).bit_length()
+        if not self.config.pad_batch or target == n or self._tiered or self.engine.kv.pool.num_free < need + 1:
+            return None
+        sid = self.engine.ctx.new_ids(1)[0]
+        self.engine.kv.add_sequence(sid, [])
+        self.engine.kv.reserve(sid, 1)
+        ids += [sid] * (target - n)
+        tokens += [0] * (target - n)
+        lengths += [0] * (target - n)
+        return sid
 
     def _after_logits(self, rows: list, logits: np.ndarray) -> None:
         """Rows whose KV is complete, with their next-token logits f32[B, V]: interrupt, or sample,
@@ -314,6 +341,9 @@ class Scheduler:
         for i, r in enumerate(rows):
             groups.setdefault(r.params, []).append(i)
         for params, idx in groups.items():
+            if params.temperature == 0.0:  # greedy: argmax on the host (first maximum, as jnp.argmax), no compile per group size
+                out[idx] = np.argmax(logits[idx], axis=-1)
+                continue
             pos = [kv.seqs[rows[i].seq_id].num_tokens for i in idx]
             ids = [rows[i].sample_index for i in idx]
             out[idx] = np.asarray(sample_with(params, logits[idx], ids, pos))

@@ -1,0 +1,280 @@
+"""Serving under load, over loopback HTTP: the server (`python -m gemini_jax.serve`, its own
+process) with the shipped model, 1 / 4 / 16 / 64 concurrent greedy streams of 4K-token prompts,
+dense vs sparse attention; then one tenant flooding a keyed server while another one measures
+its time to first token.
+
+    python experiments/serve_load.py [--levels 1,4,16,64] [--prompt 4096] [--max-tokens 32]
+                                     [--repeats 3] [--seed 0] [--skip-flood]
+
+Load: for each attention mode a server is started, every level is run once untimed with 4 output
+tokens (compiling its shapes), then `--repeats` timed rounds over the levels; each figure is the
+median over rounds. All streams of a level are sent at once and the step budget covers all their
+prompts (`serve.step_tokens`), so they are prefilled together and then decode together: decode
+throughput is the output tokens per second while every stream decodes (client-side timestamps).
+Flood: tenant B sends `--flood-b` requests one after another alone (solo TTFT), then again while
+tenant A keeps `--flood-a` streams going and submits more until its compute-unit pool refuses
+(429). Nothing may be lost: every accepted stream ends with all its tokens.
+Writes experiments/results/serve/serve_load.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL_ID = "gemini-jax-tiny"
+GOAL_DECODE_SCALING = 4.0  # decode tokens/s at 16 streams over 1 stream
+GOAL_FLOOD_TTFT = 2.0  # B's p99 TTFT under A's flood over its solo p99
+MODES = {"dense": ["sparse=off"], "sparse": ["sparse=extrapolate_rerank"]}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`python -m gemini_jax.serve` in its own process on a free loopback port."""
+
+    def __init__(self, overrides: list, workdir: str, name: str):
+        import httpx
+
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(os.path.join(workdir, f"{name}.log"), "w")
+        cmd = [sys.executable, "-m", "gemini_jax.serve", *overrides, f"serve.port={self.port}",
+               f"hydra.run.dir={os.path.join(workdir, name)}", "log_level=WARNING"]
+        self.cmd = " ".join(cmd[1:])
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 300
+        while True:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"serve_load: the server exited ({self.proc.returncode}); see {self.log.name}")
+            try:
+                if httpx.get(self.url + "/v1/models", timeout=2,
+                             headers={"authorization": "Bearer sk-b"}).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.time() > deadline:
+                self.close()
+                raise SystemExit("serve_load: the server did not answer within 300 s")
+            time.sleep(0.5)
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+def _prompts(held, rng, n: int, length: int) -> list:
+    starts = rng.integers(0, len(held) - length, size=n)
+    return [held[s:s + length].astype(np.int32).tolist() for s in starts]
+
+
+def run_load(args, held, workdir) -> tuple[list, dict]:
+    from gemini_jax.serve.load import run_streams, summarize
+
+    levels = [int(x) for x in args.levels.split(",")]
+    rows, commands = [], {}
+    for mode, extra in MODES.items():
+        overrides = [*extra, f"engine.max_seq_len={args.prompt + args.max_tokens}", f"engine.max_batch={max(levels)}",
+                     "engine.prefill_chunk=512", f"serve.step_tokens={max(levels) * args.prompt}"]
+        server = Server(overrides, workdir, mode)
+        commands[mode] = server.cmd
+        try:
+            rng = np.random.default_rng([args.seed, 0])
+            for c in levels:  # compile every shape a level meets, untimed
+                print(f"serve_load: {mode} warm-up, {c} streams", flush=True)
+                asyncio.run(run_streams(server.url, _prompts(held, rng, c, args.prompt), max_tokens=4, model=MODEL_ID))
+            rounds = {c: [] for c in levels}
+            for rep in range(args.repeats):
+                for c in levels:
+                    rng = np.random.default_rng([args.seed, 1, rep, c])
+                    t0 = time.time()
+                    res = asyncio.run(run_streams(server.url, _prompts(held, rng, c, args.prompt),
+                                                  max_tokens=args.max_tokens, model=MODEL_ID))
+                    s = summarize(res)
+                    lost = [r for r in res if r.error or len(r.token_times) != args.max_tokens]
+                    s["lost"] = len(lost)
+                    rounds[c].append(s)
+                    print(f"serve_load: {mode} round {rep} {c:>3} streams: {time.time() - t0:.1f} s, "
+                          f"decode {s['decode_tokens_per_s'] or 0:.1f} tok/s, tpot p99 {s['tpot_p99'] or 0:.3f} s, "
+                          f"lost {len(lost)}", flush=True)
+            for c in levels:
+                counts = ("streams", "failed", "output_tokens", "lost")
+                med = {k: _median([r[k] for r in rounds[c]]) for k in rounds[c][0] if k not in counts}
+                rows.append({"mode": mode, "streams": c, **med, "failed": sum(r["failed"] for r in rounds[c]),
+                             "lost": sum(r["lost"] for r in rounds[c]), "rounds": rounds[c]})
+        finally:
+            server.close()
+    return rows, commands
+
+
+def _median(values):
+    values = [v for v in values if v is not None]
+    return float(np.median(values)) if values else None
+
+
+def run_flood(args, held, workdir) -> tuple[dict, str]:
+    """Tenant A floods a keyed server; tenant B's TTFT alone and under the flood."""
+    from gemini_jax.serve.load import run_streams, summarize
+
+    layers = 4  # the shipped model's layers: compute units = tokens x layers
+    per_request = (args.flood_prompt + args.flood_tokens) * layers
+    keys = os.path.join(workdir, "keys.json")
+    with open(keys, "w") as fh:
+        # A's pool: a few more requests than it keeps running, so its later submissions are refused.
+        json.dump({"tenants": {"A": {"pool": per_request * (args.flood_a + 4)}, "B": {"pool": None}},
+                   "keys": {"sk-a": "A", "sk-b": "B"}}, fh)
+    overrides = ["sparse=off", f"engine.max_seq_len={args.flood_prompt + args.flood_tokens}", "engine.max_batch=8",
+                 "engine.prefill_chunk=512", f"serve.api_keys={keys}"]
+    server = Server(overrides, workdir, "flood")
+    rng = np.random.default_rng([args.seed, 2])
+    b_prompts = _prompts(held, rng, args.flood_b, args.flood_prompt)
+
+    async def b_sequential():
+        out = []
+        for p in b_prompts:
+            out += await run_streams(server.url, [p], max_tokens=args.flood_tokens, model=MODEL_ID, api_key="sk-b")
+        return out
+
+    async def flood():
+        a_results, stop = [], asyncio.Event()
+
+        async def a_stream():
+            while not stop.is_set():
+                res = (await run_streams(server.url, _prompts(held, rng, 1, args.flood_prompt),
+                                         max_tokens=args.flood_tokens, model=MODEL_ID, api_key="sk-a"))[0]
+                a_results.append(res)
+                if res.status == 429:
+                    await asyncio.sleep(0.2)
+
+        tasks = [asyncio.create_task(a_stream()) for _ in range(args.flood_a)]
+        await asyncio.sleep(2.0)  # A's streams hold the batch before B arrives
+        b = await b_sequential()
+        stop.set()
+        await asyncio.gather(*tasks)
+        return a_results, b
+
+    try:
+        print("serve_load: flood warm-up", flush=True)
+        asyncio.run(run_streams(server.url, _prompts(held, rng, 8, args.flood_prompt), max_tokens=4, model=MODEL_ID,
+                                api_key="sk-b"))
+        solo = asyncio.run(b_sequential())
+        a_res, b_res = asyncio.run(flood())
+    finally:
+        server.close()
+    ok_a = [r for r in a_res if r.status == 200]
+    lost = [r for r in ok_a + b_res + solo if r.error or len(r.token_times) != args.flood_tokens]
+    s_solo, s_b = summarize(solo), summarize(b_res)
+    ratio = s_b["ttft_p99"] / s_solo["ttft_p99"]
+    return {"b_solo": s_solo, "b_under_flood": s_b, "a_accepted": len(ok_a),
+            "a_refused_429": sum(1 for r in a_res if r.status == 429),
+            "a_other_errors": sum(1 for r in a_res if r.status not in (200, 429)), "lost": len(lost),
+            "ttft_p99_ratio": ratio, "goal": GOAL_FLOOD_TTFT, "met": ratio <= GOAL_FLOOD_TTFT}, server.cmd
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--levels", default="1,4,16,64")
+    ap.add_argument("--prompt", type=int, default=4096)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--flood-a", type=int, default=12, help="tenant A's concurrent streams")
+    ap.add_argument("--flood-b", type=int, default=8, help="tenant B's requests, one after another")
+    ap.add_argument("--flood-prompt", type=int, default=1024)
+    ap.add_argument("--flood-tokens", type=int, default=16)
+    ap.add_argument("--skip-flood", action="store_true")
+    ap.add_argument("--out", default=os.path.join("experiments", "results"))
+    a = ap.parse_args()
+    sys.path.insert(0, ROOT)
+    from gemini_jax.data import corpus
+    from gemini_jax.eval.record import StudyResult, make_record, write_record
+
+    _, held = corpus.load_split("heldout")
+    with tempfile.TemporaryDirectory(prefix="gj_serve_load_") as work:
+        rows, commands = run_load(a, held, work)
+        flood, flood_cmd = (None, None) if a.skip_flood else run_flood(a, held, work)
+    by = {(r["mode"], r["streams"]): r for r in rows}
+    summary = {}
+    for mode in MODES:
+        one, sixteen = by.get((mode, 1)), by.get((mode, 16))
+        if one and sixteen and one["decode_tokens_per_s"] and sixteen["decode_tokens_per_s"]:
+            x = sixteen["decode_tokens_per_s"] / one["decode_tokens_per_s"]
+            summary[f"{mode}_decode_scaling_16_vs_1"] = x
+            summary[f"{mode}_decode_scaling_met"] = x >= GOAL_DECODE_SCALING
+        four, many = by.get((mode, 4)), by.get((mode, 64))
+        if four and many and four["tpot_p99"] and many["tpot_p99"]:
+            summary[f"{mode}_tpot_p99_growth_4_to_64"] = many["tpot_p99"] / four["tpot_p99"]
+    if "dense_tpot_p99_growth_4_to_64" in summary and "sparse_tpot_p99_growth_4_to_64" in summary:
+        summary["sparse_grows_less_met"] = (summary["sparse_tpot_p99_growth_4_to_64"]
+                                            < summary["dense_tpot_p99_growth_4_to_64"])
+    summary["lost"] = sum(r["lost"] for r in rows) + (flood["lost"] if flood else 0)
+    cmd = " ".join(["python experiments/serve_load.py", *sys.argv[1:]])
+    config = {"levels": a.levels, "prompt_tokens": a.prompt, "max_tokens": a.max_tokens, "repeats": a.repeats,
+              "model": "shipped tiny", "server_commands": commands, "flood_command": flood_cmd,
+              "flood": {"a_streams": a.flood_a, "b_requests": a.flood_b, "prompt_tokens": a.flood_prompt,
+                        "max_tokens": a.flood_tokens}}
+    rec = make_record("serve_load", StudyResult(name="serve_load", records=rows, split=None, seeds=[a.seed],
+                                                extra={"summary": summary, "flood": flood}),
+                      command=cmd, config=config)
+    md = markdown(rec)
+    paths = write_record(a.out, rec, md)
+    print(md)
+    print(f"serve_load: wrote {paths['json']}")
+
+
+def markdown(rec: dict) -> str:
+    """The results table (also rendered into the README by experiments/results_tables.py)."""
+    mark = lambda ok: "✓" if ok else "✗"  # noqa: E731
+    ms = lambda v: "–" if v is None else f"{v * 1000:.0f} ms"  # noqa: E731
+    rate = lambda v: "–" if v is None else f"{v:.1f}"  # noqa: E731
+    rows = ["| attention | streams | decode tok/s (all decoding) | tok/s (whole run) | TTFT p50 | TTFT p99 | "
+            "time/token p50 | time/token p99 |", "|---|---|---|---|---|---|---|---|"]
+    for r in rec["records"]:
+        rows.append(f"| {r['mode']} | {r['streams']} | {rate(r['decode_tokens_per_s'])} | {rate(r['tokens_per_s'])} | "
+                    f"{ms(r['ttft_p50'])} | {ms(r['ttft_p99'])} | {ms(r['tpot_p50'])} | {ms(r['tpot_p99'])} |")
+    s, cfg = rec["summary"], rec["config"]
+    lines = rows + [""]
+    for mode in MODES:
+        if f"{mode}_decode_scaling_16_vs_1" in s:
+            lines.append(f"- {mode}: decode throughput at 16 streams **{s[f'{mode}_decode_scaling_16_vs_1']:.1f}×** "
+                         f"that at 1 (goal ≥ {GOAL_DECODE_SCALING:.0f}× {mark(s[f'{mode}_decode_scaling_met'])}).")
+    if "sparse_grows_less_met" in s:
+        lines.append(f"- p99 time per output token from 4 to 64 streams: dense ×{s['dense_tpot_p99_growth_4_to_64']:.2f}, "
+                     f"sparse ×{s['sparse_tpot_p99_growth_4_to_64']:.2f} (goal: sparse grows less "
+                     f"{mark(s['sparse_grows_less_met'])}).")
+    fl = rec.get("flood")
+    if fl:
+        lines.append(f"- Tenant A floods ({cfg['flood']['a_streams']} streams, more until its pool refuses): tenant B's "
+                     f"p99 TTFT {ms(fl['b_under_flood']['ttft_p99'])} vs {ms(fl['b_solo']['ttft_p99'])} alone, "
+                     f"**{fl['ttft_p99_ratio']:.2f}×** (goal ≤ {fl['goal']:.0f}× {mark(fl['met'])}); A accepted "
+                     f"{fl['a_accepted']}, refused {fl['a_refused_429']} with 429 "
+                     f"{mark(fl['a_refused_429'] > 0)}; other errors {fl['a_other_errors']}.")
+    lines.append(f"- Streams that lost tokens or failed: {s['lost']} (goal 0 {mark(s['lost'] == 0)}).")
+    lines += ["", f"The shipped tiny model served by `python -m gemini_jax.serve` in its own process on this machine's "
+              f"loopback; {cfg['prompt_tokens']}-token held-out prompts, {cfg['max_tokens']} greedy output tokens per "
+              f"stream (ignore_eos), medians of {cfg['repeats']} rounds after an untimed warm-up; sparse = "
+              f"`sparse=extrapolate_rerank`; client and server share the 2 CPU cores. `{rec['command']}`, commit "
+              f"`{rec['commit'][:7]}`."]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
