@@ -73,18 +73,22 @@ def gather_pages(pool_layer, block_tables):
     return g.transpose(1, 2, 3, 0, 4).reshape(B, W * S, K, D)
 
 
-def attend_pages(spec: AttentionImpl, queries, kv_layer, view: PageView, window):
+def attend_pages(spec: AttentionImpl, queries, kv_layer, view: PageView, window, layer=None):
     """Dense attention of queries = (q [B, T, H, D], q_pos [B, T]) over every page of the view's
-    tables in kv_layer = (k, v) [K, P, S, D] -> [B, T, H, D]."""
+    tables in kv_layer = (k, v) [K, P, S, D] -> [B, T, H, D]. With `layer` (i32[]), kv_layer is
+    the whole pool [L, K, P, S, D] (the CPU decode path then reads the layer's pages from it
+    without copying the layer: `paged_decode.decode_over_pages`)."""
     q, q_pos = queries
+    if q.shape[1] == 1 and jax.default_backend() == "cpu" and spec.impl != "pallas":
+        # One query per row on a CPU: row by row, chunk by chunk (see `paged_decode`).
+        return decode_over_pages(queries, kv_layer, view, window, scale=spec.scale, cap=spec.cap, layer=layer)
+    if layer is not None:
+        kv_layer = (kv_layer[0][layer], kv_layer[1][layer])
     k_layer, v_layer = kv_layer
     if spec.impl == "pallas" and q.shape[1] == 1:
         return _by_window(spec, window, lambda w: lambda: paged_decode_attention(
             q[:, 0], k_layer, v_layer, view.tables, view.lengths, sm_scale=spec.scale, soft_cap=spec.cap,
             sliding_window=(w or None), interpret=spec.interpret, platform=kernel_platform(spec))[:, None])
-    if q.shape[1] == 1 and jax.default_backend() == "cpu":
-        # One query per row on a CPU: row by row, chunk by chunk (see `paged_decode`).
-        return decode_over_pages(queries, kv_layer, view, window, scale=spec.scale, cap=spec.cap)
     kk = gather_pages(k_layer, view.tables)
     vv = gather_pages(v_layer, view.tables)
     k_pos = jnp.broadcast_to(jnp.arange(kk.shape[1], dtype=jnp.int32), kk.shape[:2])

@@ -22,14 +22,26 @@ from gemini_jax.model import layers
 CHUNK_PAGES = 64  # pages per chunk: 64 x 16 tokens x 64 dims x 4 bytes = 256 KiB of K per kv head
 
 
-def decode_over_pages(queries, kv_layer, view, window, *, scale: float, cap=None, chunk_pages: int = CHUNK_PAGES):
+def decode_over_pages(queries, kv_layer, view, window, *, scale: float, cap=None, chunk_pages: int = CHUNK_PAGES,
+                      layer=None):
     """queries = (q [B, 1, H, D], q_pos [B, 1]), kv_layer = (k, v) [K, P, S, D], view = (tables
-    i32[B, W], lengths i32[B]) -> [B, 1, H, D]."""
+    i32[B, W], lengths i32[B]) -> [B, 1, H, D]. With `layer` (i32[]), kv_layer is the whole pool
+    (k, v) [L, K, P, S, D] and each chunk is gathered from that layer of it.
+
+    NOTE: pass the whole pool with `layer` inside a loop over layers: a layer sliced out of the
+    pool and then read inside this function's loops is copied whole ([K, P, S, D]) every call,
+    which makes a step's cost grow with the pool rather than with the pages it reads."""
     q, q_pos = queries
     k_layer, v_layer = kv_layer
     tables, lengths = view
     B, _, H, D = q.shape
-    K, _, S, _ = k_layer.shape
+    K, _, S, _ = k_layer.shape[-4:]
+
+    def pages_of(pool, pages):  # [K, C, S, D]
+        if layer is None:
+            return pool[:, pages]
+        # NOTE: a scalar and an array index split by a slice put the indexed axis first: [C, K, S, D].
+        return jnp.swapaxes(pool[layer, :, pages], 0, 1)
     G = H // K
     W = tables.shape[1]
     C = min(chunk_pages, W)
@@ -44,8 +56,8 @@ def decode_over_pages(queries, kv_layer, view, window, *, scale: float, cap=None
         def chunk(carry, xs):
             m, l, acc = carry  # [K, G], [K, G], [K, G, D]
             pages, c = xs
-            kk = k_layer[:, pages].reshape(K, C * S, D).astype(q.dtype)
-            vv = v_layer[:, pages].reshape(K, C * S, D).astype(q.dtype)
+            kk = pages_of(k_layer, pages).reshape(K, C * S, D).astype(q.dtype)
+            vv = pages_of(v_layer, pages).reshape(K, C * S, D).astype(q.dtype)
             s = jax.lax.dot_general(kk, qg, (((2,), (2,)), ((0,), (0,))),
                                     preferred_element_type=jnp.float32) * scale  # [K, C*S, G]
             s = layers.softcap(s, cap)

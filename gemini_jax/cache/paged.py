@@ -104,8 +104,8 @@ def paged_backend(cfg: ModelConfig, impl: str = "xla", sparse: SparseConfig | No
     def dense(layer, q, q_pos, window, cache):
         B, W = cache.block_tables.shape
         reads = jnp.int32(B * W * cfg.num_kv_heads)  # the gather path reads the whole table
-        out = attend_pages(spec, (q, q_pos), (cache.k[layer], cache.v[layer]),
-                           PageView(cache.block_tables, cache.lengths), window)
+        out = attend_pages(spec, (q, q_pos), (cache.k, cache.v), PageView(cache.block_tables, cache.lengths), window,
+                           layer=layer)
         return out, reads, jnp.int32(0)
 
     def sparse_step(layer, q, q_pos, window, cache):
