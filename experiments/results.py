@@ -82,6 +82,8 @@ SUBSETS: dict[str, list[Job]] = {
                   script="bench.py")],
     # Persistent prefixes across processes: time to first token of a 32K prompt, cold vs loaded.
     "prefix": [Job("persistent_prefix/persistent_prefix", (), 4, script="persistent_prefix.py")],
+    # Serving over loopback HTTP: 1 / 4 / 16 / 64 streams of 4K prompts, dense vs sparse, a tenant flood.
+    "serve": [Job("serve_load/serve_load", (), 25, script="serve_load.py")],
     # k tokens per device program against transformers and the bandwidth bound (bench rows).
     "decode": [Job("bench_decode/bench", ("--rows", "decode_steps_vs_hf,decode_bandwidth",
                                           "--out", "experiments/results/bench_decode"), 35, script="bench.py")],

@@ -285,8 +285,23 @@ def prefix_block(results_dir: str) -> str:
         f"commit `{rec['commit'][:7]}`, seed {rec['seeds'][0]}."])
 
 
+def serve_block(results_dir: str) -> str:
+    rec = _load(results_dir, "serve_load/serve_load")
+    if rec is None:
+        return _missing("serve")
+    import importlib.util
+
+    # The table is the experiment's own markdown (one renderer for the record's .md and the README).
+    spec = importlib.util.spec_from_file_location("serve_load", os.path.join(os.path.dirname(__file__),
+                                                                             "serve_load.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.markdown(rec) + f"\n\nFrom {_link('serve_load/serve_load')}."
+
+
 BLOCKS = {"needle": needle_block, "bpb": bpb_block, "make_run": make_run_block, "exactness": exactness_block,
-          "decode": decode_block, "tiers": tiers_block, "prefix": prefix_block}
+          "decode": decode_block, "tiers": tiers_block, "prefix": prefix_block,
+          "serve": serve_block}
 
 
 def render(text: str, results_dir: str) -> tuple[str, int]:

@@ -14,7 +14,7 @@ throughput is the output tokens per second while every stream decodes (client-si
 Flood: tenant B sends `--flood-b` requests one after another alone (solo TTFT), then again while
 tenant A keeps `--flood-a` streams going and submits more until its compute-unit pool refuses
 (429). Nothing may be lost: every accepted stream ends with all its tokens.
-Writes experiments/results/serve/serve_load.{json,md}.
+Writes experiments/results/serve_load/serve_load.{json,md}.
 """
 
 from __future__ import annotations

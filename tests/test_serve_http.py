@@ -326,3 +326,40 @@ def test_session_errors(server):
                       json={"model": MODEL_ID, "prompt": "x = 1", "max_tokens": 2}).json()
     r = httpx.post(f"{server.url}/v1/sessions/{done['id']}/resume", json={"instruction": "y"})
     assert r.status_code == 404  # an ended request is not kept
+
+
+def test_the_command_line_server_starts_with_hydra_overrides(tmp_path):
+    """`python -m gemini_jax.serve` with Hydra overrides serves the shipped model under its id;
+    a misspelt serve knob is refused by name before anything listens."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "gemini_jax.serve", f"serve.port={port}", "serve.model_id=tiny-test",
+           "engine.max_seq_len=256", f"hydra.run.dir={tmp_path / 'run'}", "log_level=WARNING"]
+    proc = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                r = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2)
+                break
+            except httpx.HTTPError:
+                assert time.time() < deadline, "the server did not answer within 120 s"
+                time.sleep(0.5)
+        assert [m["id"] for m in r.json()["data"]] == ["tiny-test"]
+        c = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60,
+                       json={"model": "tiny-test", "prompt": "import ", "max_tokens": 3, "temperature": 0}).json()
+        assert c["usage"]["completion_tokens"] >= 1
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    bad = subprocess.run([*cmd[:3], "serve.preempt=drop", f"hydra.run.dir={tmp_path / 'bad'}"], cwd=root,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "serve.preempt" in bad.stdout + bad.stderr

@@ -340,7 +340,8 @@ def create_app(engine, tokenizer, config: ServeConfig | None = None) -> Starlett
         return JSONResponse({"id": sid, "object": "session", "deleted": True})
 
     async def metrics(http: HttpRequest):
-        return Response(server.metrics.render(), media_type=CONTENT_TYPE)
+        # In a thread: a scrape waits for the scheduler's step to end, the event loop must not.
+        return Response(await asyncio.to_thread(server.metrics.render), media_type=CONTENT_TYPE)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
