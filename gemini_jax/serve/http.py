@@ -192,7 +192,7 @@ class Server:
         content = text.sent + text.push(None, final=True)
         choice = ({"index": 0, "message": {"role": "assistant", "content": content}} if chat else
                   {"index": 0, "text": content, "logprobs": None})
-        choice["finish_reason"] = _finish_reason(req)
+        choice["finish_reason"] = req.finish_reason
         return JSONResponse({"id": api_id, "object": "chat.completion" if chat else "text_completion",
                              "created": created, "model": self.config.model_id, "choices": [choice],
                              "usage": _usage(req)})
@@ -231,10 +231,6 @@ async def _body(http: HttpRequest) -> dict:
 def _usage(req: Request) -> dict:
     return {"prompt_tokens": req.prompt_len, "completion_tokens": req.new_tokens,
             "total_tokens": req.prompt_len + req.new_tokens, "compute_units": req.compute_units}
-
-
-def _finish_reason(req: Request) -> str:
-    return req.finish_reason if req.finish_reason in ("stop", "length") else req.finish_reason or "stop"
 
 
 def create_app(engine, tokenizer, config: ServeConfig | None = None) -> Starlette:
@@ -406,7 +402,7 @@ async def _stream(server: Server, req: Request, out: asyncio.Queue, rid: str, cr
             yield f"data: {json.dumps(err)}\n\n"
             return
         rest = text.push(None, final=True)
-        yield chunk(rest or (None if chat else ""), _finish_reason(req))
+        yield chunk(rest or (None if chat else ""), req.finish_reason)
         if include_usage:
             body = {"id": rid, "object": kind, "created": created, "model": model, "choices": [], "usage": _usage(req)}
             yield f"data: {json.dumps(body)}\n\n"

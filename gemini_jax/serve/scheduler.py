@@ -34,7 +34,7 @@ from gemini_jax.runtime import Counters, images, make_runner, prefixes
 from gemini_jax.runtime.chunking import prefill_pieces
 from gemini_jax.runtime.paged import PageRunner
 from gemini_jax.sampling import sample_with
-from gemini_jax.serve.request import Phase, Request
+from gemini_jax.serve.request import FINISH_REASONS, Phase, Request
 from gemini_jax.tiers import TieredStore
 
 
@@ -387,6 +387,8 @@ class Scheduler:
     def _finish(self, r: Request, reason: str, error: Optional[str] = None) -> None:
         """End `r`: its pages go back to the pool (full ones stay cached for prefix reuse), unless
         it was interrupted, when its image is kept on the request for a resume."""
+        if reason not in FINISH_REASONS:
+            raise ValueError(f"finish reason {reason!r} must be one of {FINISH_REASONS}.")
         kv = self.engine.kv
         if r in self.live:
             if reason == "interrupted":
