@@ -88,6 +88,12 @@ SUBSETS: dict[str, list[Job]] = {
     "decode": [Job("bench_decode/bench", ("--rows", "decode_steps_vs_hf,decode_bandwidth",
                                           "--out", "experiments/results/bench_decode"), 35, script="bench.py")],
 }
+# A sample of each needle / bits-per-byte record rerun at the current commit, trial by trial
+# (experiments/reproduce.py): minutes instead of the hours a full rerun of those subsets takes.
+SUBSETS["reproduce"] = [
+    Job(f"reproduce/{j.record.replace('/', '_')}", (j.record, "--sample", str(n)),
+        4 if "32k" in j.record or "extrapolate" in j.record and group == "bpb" else 2, script="reproduce.py")
+    for group, n in (("needle", 10), ("bpb", 2)) for j in SUBSETS[group]]
 
 
 def run_subset(name: str, *, missing_only: bool) -> int:

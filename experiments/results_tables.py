@@ -299,9 +299,37 @@ def serve_block(results_dir: str) -> str:
     return module.markdown(rec) + f"\n\nFrom {_link('serve_load/serve_load')}."
 
 
+def reproduce_block(results_dir: str) -> str:
+    """One row per needle / bits-per-byte record the README shows: a sample of its trials rerun at a
+    later commit (experiments/reproduce.py), and how many came out the same."""
+    import importlib.util
+
+    # experiments/results.py names the records (this module may be loaded by path, off sys.path)
+    spec = importlib.util.spec_from_file_location("results", os.path.join(os.path.dirname(__file__), "results.py"))
+    results = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(results)
+    rows = ["| record | measured at | rerun at | trials rerun | same as recorded | file |", "|---|---|---|---|---|---|"]
+    loaded = []
+    for job in results.SUBSETS["reproduce"]:
+        rec = _load(results_dir, job.record)
+        loaded.append(rec)
+        source = job.overrides[0]
+        if rec is None:
+            rows.append(f"| {_link(source)} | — | — | — | {_missing('reproduce')} | — |")
+            continue
+        o = rec["outcome"]
+        same = f"{o['equal']}/{o['checked']} {'✓' if o['equal'] == o['checked'] else '✗'}"
+        if o["kind"] == "bpb":
+            same += f" (max abs diff {o['max_abs_diff']:.1e} bits/byte, tolerance {o['tolerance']:.0e})"
+        what = "trials" if o["kind"] == "needle" else f"windows ({rec['config']['sample']} per context)"
+        rows.append(f"| {_link(source)} | `{rec['source_commit'][:7]}` | `{rec['commit'][:7]}` | {o['checked']} {what} | "
+                    f"{same} | {_link(job.record)} |")
+    return "\n".join(rows + ["", f"Commit(s) the reruns came from: {_commits(loaded)}."])
+
+
 BLOCKS = {"needle": needle_block, "bpb": bpb_block, "make_run": make_run_block, "exactness": exactness_block,
           "decode": decode_block, "tiers": tiers_block, "prefix": prefix_block,
-          "serve": serve_block}
+          "serve": serve_block, "reproduce": reproduce_block}
 
 
 def render(text: str, results_dir: str) -> tuple[str, int]:

@@ -185,3 +185,42 @@ def test_perplexity_reports_a_t_interval_over_windows():
 
     assert (out["bits_per_byte"], *out["ci95"]) == pytest.approx(mean_t95(out["per_window"]))
     assert out["ci95"][0] < out["bits_per_byte"] < out["ci95"][1], f"seed={seed}"
+
+
+def test_a_record_reruns_trial_by_trial_and_a_changed_figure_is_caught():
+    """gemini_jax.eval.reproduce: a sample of a needle / bits-per-byte record's trials, rerun through
+    the same engine, reproduces it exactly; a recorded answer or window figure that the code no
+    longer produces is counted as different, and a record whose trials cannot be redrawn is refused."""
+    from gemini_jax.eval import reproduce
+
+    seed = 12
+    model = random_model(tiny_config("tiny", vocab_size=259), seed)
+    eng = gj.Engine(model, gj.EngineConfig(max_seq_len=512, prefill_chunk=64, max_batch=4))
+    draw = Draw("test", seed)
+    res = needle(eng, [160, 300], [0.2, 0.8], trials=2, draw=draw)
+    record = {"name": "n", "split": "test", "seeds": [seed], "config": {}, **res.to_dict()}
+    out = reproduce.rerun_needle(eng, record, 5)
+    assert (out["checked"], out["equal"]) == (5, 5), f"seed={seed} {out}"
+    assert [r["trial"] for r in out["rows"]] == reproduce.spread(8, 5) == [0, 2, 4, 5, 7]
+    planted = {**record, "records": [dict(r) for r in record["records"]]}
+    planted["records"][4]["generated"] += "x"  # a figure the code does not produce
+    out = reproduce.rerun_needle(eng, planted, 5)
+    assert out["equal"] == 4 and [r["trial"] for r in out["rows"] if not r["equal"]] == [4], f"seed={seed}"
+    planted["records"][4]["key"] = "00000" if planted["records"][4]["key"] != "00000" else "11111"
+    with pytest.raises(gj.errors.ConfigError, match="derivation changed"):
+        reproduce.rerun_needle(eng, planted, 5)
+
+    rows = [perplexity(eng, c, windows=3, scored=16, draw=draw) for c in (96, 200)]
+    bpb = {"name": "b", "split": "test", "seeds": [seed], "records": rows}
+    out = reproduce.rerun_bpb(eng, bpb, 2)
+    assert (out["checked"], out["equal"]) == (4, 4) and out["max_abs_diff"] <= reproduce.BPB_TOL, f"seed={seed}"
+    rows[1]["per_window"][2] += 10 * reproduce.BPB_TOL
+    out = reproduce.rerun_bpb(eng, bpb, 2)
+    assert out["equal"] == 3 and [(r["context"], r["window"]) for r in out["rows"] if not r["equal"]] == [(200, 2)]
+
+    with pytest.raises(gj.errors.ConfigError, match="only records of the shipped"):
+        reproduce.engine_for({"name": "x", "model": "RANDOMLY INITIALISED model", "engine": {}}, 128)
+    with pytest.raises(gj.errors.ConfigError, match="split=None"):
+        reproduce.rerun_needle(eng, {**record, "split": None}, 2)
+    with pytest.raises(gj.errors.ConfigError, match="'exactness' record"):
+        reproduce.rerun({"name": "e", "study": "exactness"}, 2)

@@ -54,35 +54,44 @@ def is_correct(generated: str, key: str) -> bool:
     return generated.startswith(key) and not generated[len(key):len(key) + 1].isdigit()
 
 
+def trial_example(haystack: np.ndarray, lengths, depths, index: tuple[int, int, int], draw: Draw,
+                  distractors: int = 0) -> tasks.NeedleExample:
+    """Trial `index` = (length i, depth j, trial t) of a grid: the same prompt for every engine and
+    every run, drawn from `draw.rng(i, j, t)`."""
+    i, j, t = index
+    return tasks.needle_example(haystack, int(lengths[i]), float(depths[j]), draw.rng(i, j, t),
+                                distractors=distractors)
+
+
+def answer(engine, examples) -> list[str]:
+    """The engine's greedy continuation of each example's prompt, as text (bytes < 256)."""
+    params = SamplingParams(max_new_tokens=tasks.KEY_DIGITS + 1, temperature=0.0, stop_at_eos=False)
+    out = engine.generate([list(map(int, e.prompt)) for e in examples], params)
+    return [ByteTokenizer().decode([t for t in gen if t < 256]) for gen in out.tokens]
+
+
 def needle(engine, lengths, depths, *, trials: int = 5, haystack: np.ndarray | None = None,
            draw: Draw = Draw(), batch: int = 1, distractors: int = 0) -> NeedleResult:
     """Accuracy per (length, depth) cell over `trials` needles each.
 
     haystack: uint8 text (default: the held-out standard-library sources). Trial t of cell (i, j)
     is drawn from `draw.rng(i, j, t)` (`gemini_jax.eval.trials`: dev or test split), so a cell's
-    prompts are the same for every engine.
+    prompts are the same for every engine. Records come cell by cell (length-major), trials in
+    order: record k is trial k % trials of cell k // trials (`gemini_jax.eval.reproduce`).
     """
     if haystack is None:
         haystack = heldout_text()
-    tok = ByteTokenizer()
-    params = SamplingParams(max_new_tokens=tasks.KEY_DIGITS + 1, temperature=0.0, stop_at_eos=False)
     acc = np.zeros((len(lengths), len(depths)))
     records = []
     cells = [(i, j) for i in range(len(lengths)) for j in range(len(depths))]
     # A progress bar on a terminal; none in logs and tests (tqdm: disable=None).
     bar = tqdm(total=len(cells) * trials, desc="needle", disable=None, unit="trial")
     for i, j in cells:
-        examples = []
-        for t in range(trials):
-            rng = draw.rng(i, j, t)
-            examples.append(tasks.needle_example(haystack, int(lengths[i]), float(depths[j]), rng,
-                                                 distractors=distractors))
+        examples = [trial_example(haystack, lengths, depths, (i, j, t), draw, distractors) for t in range(trials)]
         hits = 0
         for b in range(0, trials, batch):
             group = examples[b:b + batch]
-            out = engine.generate([list(map(int, e.prompt)) for e in group], params)
-            for e, gen in zip(group, out.tokens):
-                text = tok.decode([t for t in gen if t < 256])
+            for e, text in zip(group, answer(engine, group)):
                 ok = is_correct(text, e.answer)
                 hits += ok
                 records.append({"length": int(lengths[i]), "depth": float(depths[j]), "key": e.answer,

@@ -27,20 +27,28 @@ def perplexity(engine, context: int, *, windows: int = 4, scored: int = 128, tex
         text = heldout_text()
     if scored >= context:
         raise ValueError(f"scored={scored} must be < context={context}.")
-    prompts, tails = [], []
-    for w in range(windows):
-        window = tasks.text_window(text, context - 1, draw.rng(context, w)).astype(np.int32)
-        toks = np.concatenate([[ByteTokenizer.BOS], window])
-        prompts.append(list(map(int, toks[:-scored])))
-        tails.append(list(map(int, toks[-scored:])))
+    pairs = [window_pair(text, context, scored, draw, w) for w in range(windows)]
     step = max(1, int(getattr(getattr(engine, "config", None), "max_batch", 1)))
     per_window = []
     for g in tqdm(range(0, windows, step), desc=f"bpb@{context}", disable=None):  # a bar on a terminal only
-        out = engine.score(prompts[g:g + step], tails[g:g + step])
-        per_window += [float(-np.mean(np.asarray(lp)) / np.log(2)) for lp in out.tokens]
+        per_window += window_bits(engine, pairs[g:g + step])
     mean, lo, hi = mean_t95(per_window)
     return {"context": context, "windows": windows, "scored_per_window": scored, "split": draw.split,
             "seed": draw.seed, "bits_per_byte": mean, "ci95": [lo, hi], "per_window": per_window}
+
+
+def window_pair(text: np.ndarray, context: int, scored: int, draw: Draw, w: int) -> tuple[list, list]:
+    """Window w of a context: (prompt tokens, scored tail tokens), BOS first, drawn from
+    `draw.rng(context, w)`, the same for every engine and run."""
+    window = tasks.text_window(text, context - 1, draw.rng(context, w)).astype(np.int32)
+    toks = np.concatenate([[ByteTokenizer.BOS], window])
+    return list(map(int, toks[:-scored])), list(map(int, toks[-scored:]))
+
+
+def window_bits(engine, pairs) -> list[float]:
+    """Mean bits per byte of each (prompt, tail)'s tail under `engine.score`, in one call."""
+    out = engine.score([p for p, _ in pairs], [t for _, t in pairs])
+    return [float(-np.mean(np.asarray(lp)) / np.log(2)) for lp in out.tokens]
 
 
 def unigram_bits_per_byte(train: np.ndarray | None = None, heldout: np.ndarray | None = None) -> float:
