@@ -305,9 +305,13 @@ def reproduce_block(results_dir: str) -> str:
     import importlib.util
 
     # experiments/results.py names the records (this module may be loaded by path, off sys.path)
-    spec = importlib.util.spec_from_file_location("results", os.path.join(os.path.dirname(__file__), "results.py"))
-    results = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(results)
+    import sys
+
+    results = sys.modules.get("results")
+    if results is None:
+        spec = importlib.util.spec_from_file_location("results", os.path.join(os.path.dirname(__file__), "results.py"))
+        results = sys.modules["results"] = importlib.util.module_from_spec(spec)  # dataclasses look it up
+        spec.loader.exec_module(results)
     rows = ["| record | measured at | rerun at | trials rerun | same as recorded | file |", "|---|---|---|---|---|---|"]
     loaded = []
     for job in results.SUBSETS["reproduce"]:
