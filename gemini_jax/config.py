@@ -15,6 +15,8 @@ from typing import Any, Optional
 from gemini_jax.errors import ConfigError
 
 DTYPES = ("float32", "bfloat16", "float16")
+# KV stored quantized, one float32 scale per token and kv head (gemini_jax.attention.kvquant).
+KV_QUANT_DTYPES = ("int8", "float8_e4m3fn")
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 NORM_KINDS = ("rms", "rms_plus_one")
 ROPE_KINDS = ("default", "linear", "llama3")
@@ -171,6 +173,11 @@ class CacheConfig:
     kind "paged": a pool of `num_pages` pages of `block_size` tokens (page 0 is a reserved null
     page); None sizes the pool for max_batch full-length sequences. `prefix_caching` lets a new
     request reuse cached full pages of an identical prefix.
+
+    dtype: how K and V are stored. A float dtype (None: the model's), or "int8" / "float8_e4m3fn":
+    each token's K and V in each kv head quantized with its own float32 scale (absmax), read back
+    in the model's dtype (gemini_jax.attention.kvquant). Quantized KV runs on the XLA path of the
+    contiguous and pooled paged caches (sparse or not), sessions and snapshots included.
     """
 
     kind: str = "paged"
@@ -187,8 +194,12 @@ class CacheConfig:
                  f"cache.block_size={bs!r} must be a power of two in [8, 256].")
         _require(self.num_pages is None or (isinstance(self.num_pages, int) and self.num_pages >= 2),
                  f"cache.num_pages={self.num_pages!r} must be None or an integer >= 2.")
-        _require(self.dtype is None or self.dtype in DTYPES,
-                 f"cache.dtype={self.dtype!r} must be None or one of {DTYPES}.")
+        _require(self.dtype is None or self.dtype in DTYPES + KV_QUANT_DTYPES,
+                 f"cache.dtype={self.dtype!r} must be None or one of {DTYPES + KV_QUANT_DTYPES}.")
+
+    @property
+    def quantized(self) -> bool:
+        return self.dtype in KV_QUANT_DTYPES
 
 
 DIGEST_KINDS = ("minmax", "mean")
@@ -530,6 +541,17 @@ class EngineConfig:
             _require(sp.budget // c.block_size <= self.num_pages - 1,
                      f"sparse.budget={sp.budget} selects {sp.budget // c.block_size} pages (top-k) but the "
                      f"pool has only {self.num_pages - 1}; lower the budget or raise cache.num_pages.")
+
+        if c.quantized:  # what quantized KV runs on so far; each refusal names the field to change
+            _require(self.attention_impl == "xla",
+                     f"cache.dtype={c.dtype!r} is read on the XLA path only (the Pallas kernels take float "
+                     f"pages); set attention_impl='xla' (got {self.attention_impl!r}) or a float cache.dtype.")
+            _require(not self.tier.enabled,
+                     f"cache.dtype={c.dtype!r}: the tiers move float pages only; set tier.enabled=false or a "
+                     f"float cache.dtype.")
+            _require(self.mesh.devices == 1,
+                     f"cache.dtype={c.dtype!r} is not sharded over a mesh yet; set mesh to one device "
+                     f"(got {self.mesh.devices}) or a float cache.dtype.")
 
         t = self.tier
         if t.enabled:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from gemini_jax.attention import kvquant
 from gemini_jax.attention.views import Span
 from gemini_jax.model.layers import rope_angles, rotate
 
@@ -60,7 +61,9 @@ def update(kind: str, digests, k_pool, layer, span: Span, unrope=None):
     count = jnp.clip(lengths[:, None] - logical * S, 0, S)  # valid slots per touched page
     last_written = positions[:, -1:] // S
     touched = in_table & (logical <= last_written) & (count > 0)
-    pages = k_pool[layer][:, phys]  # [K, B, n, S, D]
+    # Quantized keys are digested as they read back: a digest recomputed from the pool stays the
+    # exact digest of the page's current keys through rewinds, forks and restores.
+    pages = kvquant.read(k_pool[layer][:, phys], jnp.float32)  # [K, B, n, S, D]
     if unrope is not None:
         cos, sin = rope_angles(-(logical[:, :, None] * S + jnp.arange(S)), unrope)  # [B, n, S, D]
         pages = rotate(pages.astype(jnp.float32), cos, sin)

@@ -15,6 +15,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from gemini_jax.attention import kvquant
 from gemini_jax.attention.paged_decode import decode_over_pages
 from gemini_jax.attention.sparse import sparse_attention
 from gemini_jax.attention.views import PageView, Selection
@@ -66,9 +67,9 @@ def kernel_platform(spec: AttentionImpl) -> Optional[str]:
     return "tpu" if backend == "tpu" else None
 
 
-def gather_pages(pool_layer, block_tables):
-    """[K, P, S, D] pages of the block tables -> contiguous [B, W * S, K, D]."""
-    g = pool_layer[:, block_tables]  # [K, B, W, S, D]
+def gather_pages(pool_layer, block_tables, dtype):
+    """[K, P, S, D] pages of the block tables -> contiguous [B, W * S, K, D] in `dtype`."""
+    g = kvquant.read(pool_layer[:, block_tables], dtype)  # [K, B, W, S, D]
     K, B, W, S, D = g.shape
     return g.transpose(1, 2, 3, 0, 4).reshape(B, W * S, K, D)
 
@@ -89,11 +90,11 @@ def attend_pages(spec: AttentionImpl, queries, kv_layer, view: PageView, window,
         return _by_window(spec, window, lambda w: lambda: paged_decode_attention(
             q[:, 0], k_layer, v_layer, view.tables, view.lengths, sm_scale=spec.scale, soft_cap=spec.cap,
             sliding_window=(w or None), interpret=spec.interpret, platform=kernel_platform(spec))[:, None])
-    kk = gather_pages(k_layer, view.tables)
-    vv = gather_pages(v_layer, view.tables)
+    kk = gather_pages(k_layer, view.tables, q.dtype)
+    vv = gather_pages(v_layer, view.tables, q.dtype)
     k_pos = jnp.broadcast_to(jnp.arange(kk.shape[1], dtype=jnp.int32), kk.shape[:2])
     mask = layers.attention_mask(q_pos, k_pos, k_pos < view.lengths[:, None], window)
-    return layers.dense_attention(q, kk.astype(q.dtype), vv.astype(q.dtype), mask, scale=spec.scale, cap=spec.cap)
+    return layers.dense_attention(q, kk, vv, mask, scale=spec.scale, cap=spec.cap)
 
 
 def attend_selected(spec: AttentionImpl, queries, kv_layer, view: PageView, sel: Selection, window, *,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from gemini_jax.attention import kvquant
 from gemini_jax.model import layers
 
 CHUNK_PAGES = 64  # pages per chunk: 64 x 16 tokens x 64 dims x 4 bytes = 256 KiB of K per kv head
@@ -37,11 +38,11 @@ def decode_over_pages(queries, kv_layer, view, window, *, scale: float, cap=None
     B, _, H, D = q.shape
     K, _, S, _ = k_layer.shape[-4:]
 
-    def pages_of(pool, pages):  # [K, C, S, D]
+    def pages_of(pool, pages):  # [K, C, S, D] in the queries' dtype (quantized pages read back)
         if layer is None:
-            return pool[:, pages]
+            return kvquant.read(pool[:, pages], q.dtype)
         # NOTE: a scalar and an array index split by a slice put the indexed axis first: [C, K, S, D].
-        return jnp.swapaxes(pool[layer, :, pages], 0, 1)
+        return jnp.swapaxes(kvquant.read(pool[layer, :, pages], q.dtype), 0, 1)
     G = H // K
     W = tables.shape[1]
     C = min(chunk_pages, W)
@@ -56,8 +57,8 @@ def decode_over_pages(queries, kv_layer, view, window, *, scale: float, cap=None
         def chunk(carry, xs):
             m, l, acc = carry  # [K, G], [K, G], [K, G, D]
             pages, c = xs
-            kk = pages_of(k_layer, pages).reshape(K, C * S, D).astype(q.dtype)
-            vv = pages_of(v_layer, pages).reshape(K, C * S, D).astype(q.dtype)
+            kk = pages_of(k_layer, pages).reshape(K, C * S, D)
+            vv = pages_of(v_layer, pages).reshape(K, C * S, D)
             s = jax.lax.dot_general(kk, qg, (((2,), (2,)), ((0,), (0,))),
                                     preferred_element_type=jnp.float32) * scale  # [K, C*S, G]
             s = layers.softcap(s, cap)

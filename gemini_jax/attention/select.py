@@ -12,6 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from gemini_jax.attention import kvquant
 from gemini_jax.attention.views import PageView
 from gemini_jax.model.layers import rope_angles, rotate
 
@@ -93,7 +94,7 @@ def exact_page_scores(q, k_layer, block_tables, lengths, pages, *, group_reduce:
     K, _, S, _ = k_layer.shape
     logical = jnp.maximum(pages, 0)
     phys = jnp.take_along_axis(block_tables[:, None, :], logical, axis=2)  # [B, K, n]
-    kk = k_layer[jnp.arange(K)[None, :, None], phys].astype(jnp.float32)  # [B, K, n, S, D]
+    kk = kvquant.read(k_layer[jnp.arange(K)[None, :, None], phys], jnp.float32)  # [B, K, n, S, D]
     k_pos = logical[..., None] * S + jnp.arange(S)  # [B, K, n, S]
     if unrope is not None:
         cos, sin = rope_angles(-k_pos, unrope)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from gemini_jax.attention import kvquant
 from gemini_jax.attention.views import PageView, Selection
 from gemini_jax.model.layers import NEG_INF, rope_angles, rotate, softcap
 
@@ -35,16 +36,16 @@ def sparse_attention(queries, kv_layer, view: PageView, sel: Selection, *, scale
     logical = jnp.maximum(selected, 0)
     phys = jnp.take_along_axis(block_tables[:, None, :], logical, axis=2)  # [B, K, n]
     heads = jnp.arange(K)[None, :, None]
-    kk = k_layer[heads, phys]  # [B, K, n, S, D]
-    vv = v_layer[heads, phys]
+    kk = kvquant.read(k_layer[heads, phys], q.dtype)  # [B, K, n, S, D]
+    vv = kvquant.read(v_layer[heads, phys], q.dtype)
     k_pos = (logical[..., None] * S + jnp.arange(S)).reshape(B, K, n * S)
     ok = ((selected >= 0)[..., None] & jnp.ones((S,), bool)).reshape(B, K, n * S)
     ok = ok & (k_pos < lengths[:, None, None])
     diff = q_pos[:, None, :, None] - k_pos[:, :, None, :]  # [B, K, T, nS]
     mask = ok[:, :, None, :] & (diff >= 0) & ((window <= 0) | (diff < window))
     qg = q.reshape(B, T, K, H // K, D)
-    kk = kk.reshape(B, K, n * S, D).astype(q.dtype)
-    vv = vv.reshape(B, K, n * S, D).astype(q.dtype)
+    kk = kk.reshape(B, K, n * S, D)
+    vv = vv.reshape(B, K, n * S, D)
     if page_shift is not None:
         shift = jnp.repeat(page_shift, S, axis=-1)  # [B, K, nS]
         cos, sin = rope_angles(shift, inv_freq)  # [B, K, nS, D] (rope_angles takes any leading shape)

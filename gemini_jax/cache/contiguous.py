@@ -11,12 +11,13 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from gemini_jax.attention import kvquant
 from gemini_jax.config import ModelConfig
 from gemini_jax.model import layers
 
 
 class ContiguousKV(NamedTuple):
-    k: jax.Array  # [layers, rows, max_seq_len, kv_heads, head_dim]
+    k: jax.Array  # [layers, rows, max_seq_len, kv_heads, head_dim] (or kvquant.QuantPages)
     v: jax.Array
     rows: jax.Array  # i32[B]: cache row of each batch entry of the current call
 
@@ -25,12 +26,12 @@ class ContiguousKV(NamedTuple):
         shape = (cfg.num_layers, num_rows, max_seq_len, cfg.num_kv_heads, cfg.head_dim)
         # Zeros, not empty: masked-out positions are multiplied by probability 0, and 0 * NaN
         # would poison the output.
-        return ContiguousKV(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((1,), jnp.int32))
+        return ContiguousKV(kvquant.zeros(shape, dtype), kvquant.zeros(shape, dtype), jnp.zeros((1,), jnp.int32))
 
     def bytes_per_read(self, batch: int) -> int:
         """KV bytes one decode step reads: every layer reads its rows' full buffers."""
         _, _, S, K, D = self.k.shape
-        return 2 * self.k.shape[0] * batch * S * K * D * self.k.dtype.itemsize
+        return 2 * self.k.shape[0] * batch * S * K * kvquant.vector_bytes(self.k.dtype, D)
 
 
 def contiguous_backend(cfg: ModelConfig):
@@ -39,13 +40,14 @@ def contiguous_backend(cfg: ModelConfig):
     def attend(layer, q, k, v, q_pos, window, cache: ContiguousKV):
         rows = cache.rows[:, None]
         # Positions past the buffer (padding of the last prefill chunk) are dropped.
-        k_all = cache.k.at[layer, rows, q_pos].set(k.astype(cache.k.dtype), mode="drop")
-        v_all = cache.v.at[layer, rows, q_pos].set(v.astype(cache.v.dtype), mode="drop")
-        k_rows, v_rows = k_all[layer][cache.rows], v_all[layer][cache.rows]
+        k_all = kvquant.write(cache.k, (layer, rows, q_pos), k, mode="drop")
+        v_all = kvquant.write(cache.v, (layer, rows, q_pos), v, mode="drop")
+        k_rows = kvquant.read(k_all[layer][cache.rows], q.dtype)
+        v_rows = kvquant.read(v_all[layer][cache.rows], q.dtype)
         S = k_rows.shape[1]
         k_pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (q.shape[0], S))
         mask = layers.attention_mask(q_pos, k_pos, jnp.ones_like(k_pos, bool), window)
-        out = layers.dense_attention(q, k_rows.astype(q.dtype), v_rows.astype(q.dtype), mask,
+        out = layers.dense_attention(q, k_rows, v_rows, mask,
                                 scale=cfg.scale, cap=cfg.attn_softcap)
         return out, cache._replace(k=k_all, v=v_all)
 

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from gemini_jax.attention import digests as page_digests
+from gemini_jax.attention import kvquant
 from gemini_jax.attention.select import compact_shift, select_step
 from gemini_jax.attention.dispatch import AttentionImpl, attend_pages, attend_selected
 from gemini_jax.attention.views import PageView, Selection, Span
@@ -45,8 +46,9 @@ def write_pages(k_pool, v_pool, layer, k, v, positions, block_tables, lengths):
     page = jnp.take_along_axis(block_tables, logical, axis=1)
     page = jnp.where(positions < lengths[:, None], page, P)  # P is out of range -> dropped
     slot = positions % S
-    k_pool = k_pool.at[layer, :, page, slot].set(k.astype(k_pool.dtype), mode="drop")
-    v_pool = v_pool.at[layer, :, page, slot].set(v.astype(v_pool.dtype), mode="drop")
+    # A quantized pool stores each token's vector with its own scale (kvquant): written once, never re-rounded.
+    k_pool = kvquant.write(k_pool, (layer, slice(None), page, slot), k, mode="drop")
+    v_pool = kvquant.write(v_pool, (layer, slice(None), page, slot), v, mode="drop")
     return k_pool, v_pool
 
 

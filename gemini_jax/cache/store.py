@@ -16,14 +16,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from gemini_jax import distributed
-from gemini_jax.attention import digests
+from gemini_jax.attention import digests, kvquant
 from gemini_jax.config import EngineConfig, ModelConfig
 
 
 class DeviceKV(NamedTuple):
     """A store's device arrays (a pytree: jitted steps take it and return it)."""
 
-    k: jax.Array  # [layers, kv_heads, pages (or slots), block_size, head_dim]
+    k: jax.Array  # [layers, kv_heads, pages (or slots), block_size, head_dim] (or kvquant.QuantPages)
     v: jax.Array
     digests: Optional[jax.Array] = None  # [layers, kv_heads, pages, R, head_dim] (sparse only)
 
@@ -31,14 +31,15 @@ class DeviceKV(NamedTuple):
 def create_pool(cfg: ModelConfig, num_pages: int, block_size: int, dtype):
     """Zeroed K and V pools: the null page (0) is read under a mask, and 0 * NaN would poison outputs."""
     shape = (cfg.num_layers, cfg.num_kv_heads, num_pages, block_size, cfg.head_dim)
-    return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+    return kvquant.zeros(shape, dtype), kvquant.zeros(shape, dtype)
 
 
 @jax.jit
 def _copy(kv: DeviceKV, src, dst) -> DeviceKV:
     """Whole pages src[i] -> dst[i] in every layer (copy-on-write of partial pages)."""
     dig = None if kv.digests is None else kv.digests.at[:, :, dst].set(kv.digests[:, :, src])
-    return DeviceKV(kv.k.at[:, :, dst].set(kv.k[:, :, src]), kv.v.at[:, :, dst].set(kv.v[:, :, src]), dig)
+    at = (slice(None), slice(None), dst)
+    return DeviceKV(kvquant.write(kv.k, at, kv.k[:, :, src]), kvquant.write(kv.v, at, kv.v[:, :, src]), dig)
 
 
 class PooledStore:
@@ -51,8 +52,10 @@ class PooledStore:
         sp = config.sparse
         dig = None
         if sp.enabled:
+            # Digests of quantized keys are kept in float32: they score pages, and are small.
+            default = jnp.float32 if kvquant.is_quantized(dtype) else dtype
             dig = digests.create(sp.digest, model_cfg.num_layers, model_cfg.num_kv_heads, config.num_pages,
-                                 model_cfg.head_dim, jnp.dtype(sp.digest_dtype or dtype))
+                                 model_cfg.head_dim, jnp.dtype(sp.digest_dtype or default))
         if mesh is not None:
             k, v, dig = jax.device_put((k, v, dig), distributed.pool_sharding(mesh))
         self._kv = DeviceKV(k, v, dig)
@@ -74,12 +77,12 @@ class PooledStore:
 
     # ---- whole pages in and out (sessions: snapshot, restore, rewind; benchmarks) --------------
     def gather(self, pages):
-        """Every layer's KV and digests of physical `pages` -> numpy k, v [L, K, n, S, D],
-        digests [L, K, n, R, D] or None."""
+        """Every layer's KV and digests of physical `pages` -> numpy k, v [L, K, n, S, D] (as stored:
+        kvquant.QuantPages of numpy arrays when quantized), digests [L, K, n, R, D] or None."""
         idx = jnp.asarray(pages, jnp.int32)
         kv = self._kv
         dig = None if kv.digests is None else np.asarray(kv.digests[:, :, idx])
-        return np.asarray(kv.k[:, :, idx]), np.asarray(kv.v[:, :, idx]), dig
+        return kvquant.to_host(kv.k[:, :, idx]), kvquant.to_host(kv.v[:, :, idx]), dig
 
     def scatter(self, pages, k, v, digests_=None, *, partial=()) -> None:
         """Write whole pages (physical ids; k, v [L, K, n, S, D], digests [L, K, n, R, D]).
@@ -90,8 +93,8 @@ class PooledStore:
         dig = kv.digests
         if dig is not None and digests_ is not None:
             dig = dig.at[:, :, idx].set(jnp.asarray(digests_, dig.dtype))
-        self._kv = DeviceKV(kv.k.at[:, :, idx].set(jnp.asarray(k, kv.k.dtype)),
-                            kv.v.at[:, :, idx].set(jnp.asarray(v, kv.v.dtype)), dig)
+        at = (slice(None), slice(None), idx)
+        self._kv = DeviceKV(kvquant.write(kv.k, at, k), kvquant.write(kv.v, at, v), dig)
 
     def copy_pages(self, src, dst) -> None:
         """Private copies of pages `src` at `dst` (a rewind's copy-on-write)."""

@@ -59,16 +59,17 @@ def new_stats() -> Counters:
     return Counters()
 
 
-def page_bytes(model_cfg: ModelConfig, block_size: int, itemsize: int) -> int:
-    """Bytes of one (page, kv head) pair of K (or of V)."""
-    return block_size * model_cfg.head_dim * itemsize
+def page_bytes(block_size: int, vector_bytes: int) -> int:
+    """Bytes of one (page, kv head) pair of K (or of V): `vector_bytes` per token, scales included
+    (`kvquant.vector_bytes`)."""
+    return block_size * vector_bytes
 
 
 def count_decode_reads(stats: Counters, config: EngineConfig, model_cfg: ModelConfig, reads: DecodeReads) -> None:
     """Add one decode step's reads to `stats`: KV bytes (K and V of every (page, kv head) pair
     attended, keys alone of reranked candidates), pages selected, and the digest bytes that
     selection scored (every page of the block table in every sparse layer)."""
-    per_pair = page_bytes(model_cfg, config.cache.block_size, reads.kv_itemsize)  # reads: summed over steps
+    per_pair = page_bytes(config.cache.block_size, reads.kv_vector_bytes)  # reads: summed over steps
     stats.kv_bytes_read += (2 * reads.page_reads + reads.key_reads) * per_pair
     sp = config.sparse
     if sp.enabled:
@@ -92,7 +93,7 @@ class DecodeReads:
     key_reads: int
     batch: int
     table_width: int
-    kv_itemsize: int
+    kv_vector_bytes: int   # one token's K (or V) in one kv head, scale included
     digest_itemsize: int
     steps: int = 1
 

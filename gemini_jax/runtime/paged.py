@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gemini_jax import distributed
+from gemini_jax.attention import kvquant
 from gemini_jax.cache.paged import PagedKV
 from gemini_jax.cache.store import DeviceKV
 from gemini_jax.runtime import prefixes
@@ -97,7 +98,7 @@ class PageRunner(abc.ABC):
         count_decode_reads(self.stats, ctx.config, ctx.model_cfg, DecodeReads(
             page_reads=page_reads, key_reads=key_reads, batch=len(self.ids) if batch is None else batch,
             table_width=width, steps=steps,
-            kv_itemsize=ctx.cache_dtype.itemsize, digest_itemsize=ctx.store.digest_itemsize))
+            kv_vector_bytes=kvquant.vector_bytes(ctx.cache_dtype, ctx.model_cfg.head_dim), digest_itemsize=ctx.store.digest_itemsize))
 
     def close(self):
         for sid in self.ids:

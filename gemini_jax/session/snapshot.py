@@ -22,6 +22,7 @@ import uuid
 
 import numpy as np
 
+from gemini_jax.attention import kvquant
 from gemini_jax.errors import SnapshotError
 from gemini_jax.runtime import images
 
@@ -68,7 +69,12 @@ def save_snapshot(sess, path: str, *, include_kv: bool = True, image: "images.Se
     e = sess.engine
     # Pages wherever they live: the device pool, or device slots, host RAM and disk under tiers.
     image = image if image is not None else images.take(e.kv, e.store, sess.seq_id)
-    arrays = {"logits": np.asarray(sess.logits[0]), "k": image.k, "v": image.v}
+    arrays = {"logits": np.asarray(sess.logits[0])}
+    for name, x in (("k", image.k), ("v", image.v)):  # quantized KV: the stored bytes and their scales
+        if isinstance(x, kvquant.QuantPages):
+            arrays[name], arrays[f"{name}_scale"] = x.data, x.scale
+        else:
+            arrays[name] = x
     if image.digests is not None:
         arrays["digests"] = image.digests
     meta = {
@@ -176,6 +182,8 @@ def check_fingerprint(engine, path: str, meta: dict) -> None:
 def restore_pages(engine, seq_id: int, meta: dict, arrays: dict) -> None:
     """Register sequence `seq_id` with the snapshot's tokens and write its pages into the store
     (a prefix already cached is shared, not rewritten)."""
+    k, v = ((kvquant.QuantPages(arrays[n], arrays[f"{n}_scale"]) if f"{n}_scale" in arrays else arrays[n])
+            for n in ("k", "v"))
     image = images.SequenceImage(tokens=tuple(meta["tokens"]), null_pages=tuple(meta["null_pages"]),
-                                 k=arrays["k"], v=arrays["v"], digests=arrays.get("digests"))
+                                 k=k, v=v, digests=arrays.get("digests"))
     images.restore(engine.kv, engine.store, seq_id, image)

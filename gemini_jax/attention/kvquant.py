@@ -1,0 +1,118 @@
+"""Quantized KV: int8 or float8 (e4m3) vectors with one float32 scale per vector.
+
+A vector is one token's key (or value) in one kv head: `head_dim` numbers. Each is stored as
+`round(x / scale)` in int8 (or `x / scale` cast to float8_e4m3fn), with `scale = max|x| / QMAX`,
+and read back as `data * scale` in float32. The scale is per token, not per page, because a
+page fills one decode step at a time: a page-wide scale would have to grow as larger keys
+arrive, re-rounding every key already in the page; a token's scale never changes once written,
+so a page holds the same bytes however it was filled (prefill chunk or decode steps), and the
+paged and contiguous caches hold the same numbers (DESIGN.md §5 within a quantized dtype).
+
+Cost: head_dim bytes + 4 per vector, i.e. (D + 4) / (4 D) of float32 (0.266 at D = 64).
+
+`QuantPages` carries data and scales together as one pytree, so pools, block gathers and
+snapshots move them as one value: indexing over leading axes (layer, kv head, page, slot)
+indexes both. Code reading KV calls `read(x, dtype)`, which is a plain `astype` for float pools.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from gemini_jax.config import KV_QUANT_DTYPES as QUANT_DTYPES
+
+QMAX = {"int8": 127.0, "float8_e4m3fn": 448.0}
+SCALE_DTYPE = jnp.float32
+
+
+def is_quantized(dtype) -> bool:
+    return np.dtype(dtype).name in QUANT_DTYPES
+
+
+@jax.tree_util.register_pytree_node_class
+class QuantPages:
+    """Quantized vectors `data` [..., D] (int8 / float8) and their scales `scale` [...] (float32).
+    Works over jax and numpy arrays alike (a snapshot's image holds numpy ones)."""
+
+    def __init__(self, data, scale):
+        self.data, self.scale = data, scale
+
+    def tree_flatten(self):
+        return (self.data, self.scale), None
+
+    @classmethod
+    def tree_unflatten(cls, _, children):
+        return cls(*children)
+
+    @property
+    def shape(self):
+        return self.data.shape
+
+    @property
+    def dtype(self):
+        return self.data.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes + self.scale.nbytes)
+
+    def __getitem__(self, idx):
+        # Indices address leading axes only, so the scale (one axis fewer) indexes alike.
+        return QuantPages(self.data[idx], self.scale[idx])
+
+    def __repr__(self):
+        return f"QuantPages({self.data.dtype}{list(self.data.shape)})"
+
+
+def zeros(shape, dtype) -> Any:
+    """A zeroed pool of `shape` [..., D] in `dtype`: float dtypes as a plain array, quantized ones
+    as QuantPages (data 0, scale 0: reads back as 0.0, never NaN under a mask)."""
+    if not is_quantized(dtype):
+        return jnp.zeros(shape, dtype)
+    return QuantPages(jnp.zeros(shape, dtype), jnp.zeros(shape[:-1], SCALE_DTYPE))
+
+
+def quantize(x, dtype) -> QuantPages:
+    """Float vectors x [..., D] -> QuantPages in `dtype` (per-vector absmax scale)."""
+    name = np.dtype(dtype).name
+    xf = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(xf), axis=-1)
+    scale = jnp.where(amax > 0, amax / QMAX[name], 1.0).astype(SCALE_DTYPE)
+    y = xf / scale[..., None]
+    if name == "int8":
+        y = jnp.clip(jnp.round(y), -QMAX[name], QMAX[name])
+    return QuantPages(y.astype(dtype), scale)
+
+
+def read(x, dtype):
+    """Stored KV (a float array or QuantPages) as `dtype` numbers."""
+    if isinstance(x, QuantPages):
+        return (x.data.astype(jnp.float32) * x.scale[..., None].astype(jnp.float32)).astype(dtype)
+    return x.astype(dtype)
+
+
+def write(pool, idx, values, mode: str | None = None):
+    """`pool` with `values` set at `idx` (`pool.at[idx].set`): float values into a quantized pool are
+    quantized first; QuantPages values (copied pages, a restored image) are set as they are."""
+    if not isinstance(pool, QuantPages):
+        return pool.at[idx].set(jnp.asarray(read(values, pool.dtype) if isinstance(values, QuantPages) else values,
+                                            pool.dtype), mode=mode)
+    if not isinstance(values, QuantPages):
+        values = quantize(jnp.asarray(values), pool.dtype)
+    return QuantPages(pool.data.at[idx].set(jnp.asarray(values.data, pool.dtype), mode=mode),
+                      pool.scale.at[idx].set(jnp.asarray(values.scale, SCALE_DTYPE), mode=mode))
+
+
+def to_host(x):
+    """Device KV (array or QuantPages) -> numpy (QuantPages of numpy arrays)."""
+    if isinstance(x, QuantPages):
+        return QuantPages(np.asarray(x.data), np.asarray(x.scale))
+    return np.asarray(x)
+
+
+def vector_bytes(dtype, head_dim: int) -> int:
+    """Bytes one stored vector (a token's K or V in one kv head) takes, its scale included."""
+    return head_dim * np.dtype(dtype).itemsize + (np.dtype(SCALE_DTYPE).itemsize if is_quantized(dtype) else 0)

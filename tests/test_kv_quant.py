@@ -1,0 +1,153 @@
+"""Quantized KV (cache.dtype int8 / float8_e4m3fn): the stored vectors read back within their
+rounding, and within one quantized dtype the exactness invariants hold as in float: paged ==
+contiguous, sparse with a covering budget == dense, k tokens per call == one, snapshot / resume
+== uninterrupted. Bytes read per step and snapshot sizes shrink by (D + 4) / (4 D)."""
+
+import numpy as np
+import pytest
+
+import gemini_jax as gj
+from gemini_jax.attention import kvquant
+from gemini_jax.errors import ConfigError
+from gemini_jax.testing import random_model, random_prompts, tiny_config
+
+QUANT = ("int8", "float8_e4m3fn")
+GREEDY = dict(temperature=0.0, stop_at_eos=False)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model(tiny_config("llama"), 23)
+
+
+_ENGINES = {}
+
+
+def _engine(model, dtype, kind="paged", **over):
+    """One engine per configuration for the whole module (compile once per shape)."""
+    key = (id(model), dtype, kind, tuple(sorted((k, str(v)) for k, v in over.items())))
+    if key not in _ENGINES:
+        cfg = dict(max_seq_len=256, prefill_chunk=32, max_batch=2, cache=dict(kind=kind, block_size=8, dtype=dtype),
+                   **over)
+        _ENGINES[key] = gj.Engine(model, gj.config.from_dict(gj.EngineConfig, cfg))
+    return _ENGINES[key]
+
+
+def _request(seed, vocab, n_prompt=70, n_cont=12):
+    rng = np.random.default_rng(seed)
+    return random_prompts(rng, vocab, (n_prompt,))[0], random_prompts(rng, vocab, (n_cont,))[0]
+
+
+@pytest.mark.parametrize("dtype", QUANT)
+def test_vectors_read_back_within_their_rounding(dtype):
+    seed = 4
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(6, 5, 64)).astype(np.float32) * rng.uniform(0.01, 30, size=(6, 5, 1)).astype(np.float32)
+    x[0, 0] = 0.0  # an all-zero vector (a fresh page's slot) reads back as zeros, not NaN
+    q = kvquant.quantize(x, dtype)
+    back = np.asarray(kvquant.read(q, np.float32))
+    scale = np.asarray(q.scale)[..., None]
+    assert q.data.dtype == np.dtype(dtype) and q.scale.shape == x.shape[:-1]
+    if dtype == "int8":
+        bound = scale / 2 * (1 + 1e-6)  # round to nearest step
+    else:  # e4m3: 3 mantissa bits (relative 2^-4), subnormal steps of 2^-9 of the scale
+        bound = np.abs(x) * 2.0 ** -4 + scale * 2.0 ** -9
+    assert np.all(np.abs(back - x) <= bound), f"seed={seed} max err {np.max(np.abs(back - x) - bound)}"
+    assert np.all(back[0, 0] == 0) and np.isfinite(back).all()
+    # The largest element of each vector is stored at full range, so nothing clips.
+    assert np.allclose(np.max(np.abs(back), -1), np.max(np.abs(x), -1), rtol=2.0 ** -4)
+
+
+@pytest.mark.parametrize("dtype", QUANT)
+def test_paged_equals_contiguous_and_sparse_covering_equals_dense_within_a_dtype(model, dtype):
+    """Invariants 1 and 2 within a quantized dtype: the same vectors are stored whichever cache
+    holds them, so the numbers agree to float rounding."""
+    seed = 31
+    prompt, cont = _request(seed, model.cfg.vocab_size)
+    ref = np.asarray(_engine(model, dtype, "contiguous").score(prompt, cont).tokens)
+    paged = np.asarray(_engine(model, dtype).score(prompt, cont).tokens)
+    np.testing.assert_allclose(paged, ref, atol=1e-5, err_msg=f"seed={seed} paged vs contiguous, {dtype}")
+    covering = _engine(model, dtype, sparse=dict(enabled=True, budget=256, sink_pages=1, local_pages=2))
+    np.testing.assert_allclose(np.asarray(covering.score(prompt, cont).tokens), ref, atol=1e-5,
+                               err_msg=f"seed={seed} sparse (covering budget) vs dense, {dtype}")
+    p = gj.SamplingParams(max_new_tokens=9, **GREEDY)
+    one = _engine(model, dtype, decode_steps_per_call=1).generate(prompt, p).tokens
+    assert _engine(model, dtype, decode_steps_per_call=4).generate(prompt, p).tokens == one, f"seed={seed}"
+
+
+def test_quantized_logits_stay_near_float_and_a_read_without_scales_is_caught(model, monkeypatch):
+    seed = 32
+    prompt, cont = _request(seed, model.cfg.vocab_size)
+    ref = np.asarray(_engine(model, None).score(prompt, cont).tokens)
+    errs = {dt: float(np.max(np.abs(np.asarray(_engine(model, dt).score(prompt, cont).tokens) - ref)))
+            for dt in QUANT}
+    # Random weights and tokens: a log-prob moves by a few hundredths at most (fp8 rounds coarser).
+    assert errs["int8"] < 0.02 and errs["float8_e4m3fn"] < 0.1 and errs["int8"] < errs["float8_e4m3fn"], \
+        f"seed={seed} {errs}"
+    assert min(errs.values()) > 0, "quantized KV read back bit-equal to float: nothing was quantized"
+
+    def no_scale(x, dtype):  # planted bug: the stored integers read as the values
+        return x.data.astype(dtype) if isinstance(x, kvquant.QuantPages) else x.astype(dtype)
+
+    monkeypatch.setattr(kvquant, "read", no_scale)
+    fresh = gj.Engine(model, gj.config.from_dict(gj.EngineConfig, dict(
+        max_seq_len=256, prefill_chunk=32, cache=dict(block_size=8, dtype="int8"))))
+    bad = float(np.max(np.abs(np.asarray(fresh.score(prompt, cont).tokens) - ref)))
+    assert bad > 10 * errs["int8"], f"seed={seed} a read without scales went unnoticed ({bad} vs {errs['int8']})"
+
+
+@pytest.mark.parametrize("dtype", QUANT)
+def test_snapshot_resume_in_another_engine_equals_the_uninterrupted_run(model, dtype, tmp_path):
+    """Invariant 5 within a dtype: the snapshot holds the stored bytes and scales, so a second engine
+    resumes with the very numbers the first one would have continued with."""
+    seed = 33
+    prompt, _ = _request(seed, model.cfg.vocab_size, n_prompt=45)
+    eng = _engine(model, dtype)
+    sess = eng.start(prompt, gj.SamplingParams(max_new_tokens=16, **GREEDY))
+    head = [next(sess) for _ in range(5)]
+    sess.interrupt()
+    path = str(tmp_path / "snap")
+    sess.snapshot(path)
+    sess.close()
+    full = eng.generate(prompt, gj.SamplingParams(max_new_tokens=16, **GREEDY), return_logits=True)
+    other = gj.Engine(model, eng.config)
+    resumed = other.resume(path, [], params=gj.SamplingParams(max_new_tokens=11, **GREEDY))
+    # The logits the 6th token is chosen from, restored from the snapshot's pages and logits.
+    np.testing.assert_allclose(np.asarray(resumed.logits[0]), np.asarray(full.logits[5]), atol=1e-5,
+                               err_msg=f"seed={seed} {dtype}")
+    tail = resumed.run()
+    assert head + tail == full.tokens, f"seed={seed} {dtype}"
+    resumed.close()
+    assert (tmp_path / "snap" / "arrays").exists()
+
+
+def test_bytes_read_per_step_and_snapshot_size_shrink_by_the_stored_width(tmp_path):
+    """head_dim 64: a token's K in one kv head is 64 int8 + a 4-byte scale = 68 bytes vs 256."""
+    seed = 34
+    model = random_model(tiny_config("llama", head_dim=64), seed)
+    prompt, _ = _request(seed, model.cfg.vocab_size, n_prompt=60)
+    p = gj.SamplingParams(max_new_tokens=6, **GREEDY)
+    read, size = {}, {}
+    for dt in (None, *QUANT):
+        eng = gj.Engine(model, gj.config.from_dict(gj.EngineConfig, dict(
+            max_seq_len=128, prefill_chunk=32, cache=dict(block_size=8, dtype=dt))))
+        sess = eng.start(prompt, p)
+        sess.run()
+        read[dt] = sess.stats["kv_bytes_read"]
+        sess.snapshot(str(tmp_path / str(dt)))
+        sess.close()
+        size[dt] = sum(f.stat().st_size for f in (tmp_path / str(dt)).rglob("*") if f.is_file())
+    for dt in QUANT:
+        assert read[dt] / read[None] == pytest.approx(68 / 256), (dt, read)
+        # Orbax adds metadata and the logits ([V] f32) to both sides; the KV is what shrinks.
+        assert size[dt] / size[None] <= 0.35, (dt, size)
+
+
+def test_quantized_kv_refuses_what_it_does_not_run_on_by_name():
+    with pytest.raises(ConfigError, match="cache.dtype='int4'"):
+        gj.config.CacheConfig(dtype="int4")
+    for over, field in ((dict(attention_impl="pallas"), "attention_impl"),
+                        (dict(tier=dict(enabled=True, device_fraction=0.5)), "tier.enabled"),
+                        (dict(mesh=dict(data=1, model=2)), "mesh")):
+        with pytest.raises(ConfigError, match=field):
+            gj.config.from_dict(gj.EngineConfig, dict(cache=dict(dtype="int8"), **over))
