@@ -32,6 +32,7 @@ import numpy as np
 
 import gemini_jax as gj
 from gemini_jax.attention import digests as D
+from gemini_jax.attention import kvquant
 from gemini_jax.attention.views import Span
 from gemini_jax.config import CacheConfig, SparseConfig
 from gemini_jax.runtime import ContiguousRunner, PagedRunner, new_stats
@@ -40,20 +41,22 @@ from gemini_jax.runtime.multistep import LoopInputs, LoopSpec
 
 class DecodeHarness:
     def __init__(self, model, *, kind: str, context: int, new_tokens: int, block_size: int = 16,
-                 seed: int = 0, batch: int = 1, sparse: SparseConfig | None = None, steps_per_call: int = 1):
+                 seed: int = 0, batch: int = 1, sparse: SparseConfig | None = None, steps_per_call: int = 1,
+                 cache_dtype: str | None = None):
         cfg = model.cfg
         # NOTE: max_seq_len = context + new_tokens for every variant, and a pool sized for the
         # batch (max_batch=batch), so no variant pays for a bigger buffer than it needs.
         self.eng = gj.Engine(model, gj.EngineConfig(
             max_seq_len=context + new_tokens, max_batch=batch, decode_steps_per_call=steps_per_call,
-            cache=CacheConfig(kind=kind, block_size=block_size, prefix_caching=False),
+            cache=CacheConfig(kind=kind, block_size=block_size, prefix_caching=False, dtype=cache_dtype),
             sparse=sparse or SparseConfig()))
         self.batch, self.k = batch, steps_per_call
         self.kind, self.context, self.capacity = kind, context, context + new_tokens
         self.stats = new_stats()
         key = jax.random.key(seed)
         kk, kv = jax.random.split(key)
-        dt = self.eng.cache_dtype
+        # Random K/V drawn in float (the model's dtype); a quantized cache quantizes them as it stores them.
+        dt = self.eng.model_cfg.dtype
         if kind == "paged":
             self.runner = PagedRunner(self.eng.ctx, batch, self.stats)
             rng = np.random.default_rng(seed)
@@ -74,8 +77,9 @@ class DecodeHarness:
             self.runner = ContiguousRunner(self.eng.ctx, batch, self.stats)
             c = self.runner.cache
             shape = (cfg.num_layers, batch, context, cfg.num_kv_heads, cfg.head_dim)
-            self.runner.cache = c._replace(k=c.k.at[:, :, :context].set(jax.random.normal(kk, shape, dt)),
-                                           v=c.v.at[:, :, :context].set(jax.random.normal(kv, shape, dt)))
+            at = (slice(None), slice(None), slice(0, context))
+            self.runner.cache = c._replace(k=kvquant.write(c.k, at, jax.random.normal(kk, shape, dt)),
+                                           v=kvquant.write(c.v, at, jax.random.normal(kv, shape, dt)))
             jax.block_until_ready(self.runner.cache)
         self.lengths = np.full(batch, context, np.int32)
         self.next_tok = np.ones(batch, np.int32)
@@ -103,7 +107,8 @@ class DecodeHarness:
             count = min(S, context - j * S)
             layer = int(rng.integers(L))
             k_pool = store.device.k
-            want = D.page_digest(kind, k_pool[layer, :, pages[j]], jnp.full((k_pool.shape[1],), count))
+            want = D.page_digest(kind, kvquant.read(k_pool[layer, :, pages[j]], jnp.float32),
+                                 jnp.full((k_pool.shape[1],), count))
             got = store.device.digests[layer, :, pages[j]]
             if not np.allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=1e-6):
                 raise AssertionError(f"digest of page {j} (layer {layer}) does not match its keys.")

@@ -26,6 +26,12 @@ from gemini_jax.config import KV_QUANT_DTYPES as QUANT_DTYPES
 
 QMAX = {"int8": 127.0, "float8_e4m3fn": 448.0}
 SCALE_DTYPE = jnp.float32
+# How each format is held in memory. float8 values are kept as their bytes (uint8): XLA's CPU
+# backend gathers and slices float8 arrays several times slower than 8-bit integers inside the
+# decode loop, and converts them in software; a 256-entry table reads the bytes back instead.
+STORAGE = {"int8": "int8", "float8_e4m3fn": "uint8"}
+FORMAT_OF = {v: k for k, v in STORAGE.items()}
+_E4M3 = np.arange(256, dtype=np.uint8).view(jnp.float8_e4m3fn).astype(np.float32)  # value of each byte
 
 
 def is_quantized(dtype) -> bool:
@@ -34,8 +40,9 @@ def is_quantized(dtype) -> bool:
 
 @jax.tree_util.register_pytree_node_class
 class QuantPages:
-    """Quantized vectors `data` [..., D] (int8 / float8) and their scales `scale` [...] (float32).
-    Works over jax and numpy arrays alike (a snapshot's image holds numpy ones)."""
+    """Quantized vectors `data` [..., D] (int8, or float8 held as uint8 bytes) and their scales
+    `scale` [...] (float32). Works over jax and numpy arrays alike (a snapshot's image holds numpy
+    ones)."""
 
     def __init__(self, data, scale):
         self.data, self.scale = data, scale
@@ -53,7 +60,8 @@ class QuantPages:
 
     @property
     def dtype(self):
-        return self.data.dtype
+        """The stored format (float8 data is held as its bytes, uint8: see `STORAGE`)."""
+        return np.dtype(FORMAT_OF[np.dtype(self.data.dtype).name])
 
     @property
     def nbytes(self) -> int:
@@ -72,7 +80,7 @@ def zeros(shape, dtype) -> Any:
     as QuantPages (data 0, scale 0: reads back as 0.0, never NaN under a mask)."""
     if not is_quantized(dtype):
         return jnp.zeros(shape, dtype)
-    return QuantPages(jnp.zeros(shape, dtype), jnp.zeros(shape[:-1], SCALE_DTYPE))
+    return QuantPages(jnp.zeros(shape, STORAGE[np.dtype(dtype).name]), jnp.zeros(shape[:-1], SCALE_DTYPE))
 
 
 def quantize(x, dtype) -> QuantPages:
@@ -83,14 +91,20 @@ def quantize(x, dtype) -> QuantPages:
     scale = jnp.where(amax > 0, amax / QMAX[name], 1.0).astype(SCALE_DTYPE)
     y = xf / scale[..., None]
     if name == "int8":
-        y = jnp.clip(jnp.round(y), -QMAX[name], QMAX[name])
-    return QuantPages(y.astype(dtype), scale)
+        return QuantPages(jnp.clip(jnp.round(y), -QMAX[name], QMAX[name]).astype(jnp.int8), scale)
+    return QuantPages(jax.lax.bitcast_convert_type(y.astype(jnp.float8_e4m3fn), jnp.uint8), scale)
+
+
+def _values(data):
+    if data.dtype == jnp.uint8:  # float8_e4m3fn bytes
+        return jnp.take(jnp.asarray(_E4M3), data.astype(jnp.int32))
+    return data.astype(jnp.float32)
 
 
 def read(x, dtype):
     """Stored KV (a float array or QuantPages) as `dtype` numbers."""
     if isinstance(x, QuantPages):
-        return (x.data.astype(jnp.float32) * x.scale[..., None].astype(jnp.float32)).astype(dtype)
+        return (_values(x.data) * x.scale[..., None].astype(jnp.float32)).astype(dtype)
     return x.astype(dtype)
 
 
@@ -102,7 +116,7 @@ def write(pool, idx, values, mode: str | None = None):
                                             pool.dtype), mode=mode)
     if not isinstance(values, QuantPages):
         values = quantize(jnp.asarray(values), pool.dtype)
-    return QuantPages(pool.data.at[idx].set(jnp.asarray(values.data, pool.dtype), mode=mode),
+    return QuantPages(pool.data.at[idx].set(jnp.asarray(values.data, pool.data.dtype), mode=mode),
                       pool.scale.at[idx].set(jnp.asarray(values.scale, SCALE_DTYPE), mode=mode))
 
 

@@ -1,0 +1,89 @@
+"""Row `kv_quant`: decode step time and bytes, int8 / float8 KV against float32 KV, dense and sparse."""
+
+from __future__ import annotations
+
+from tqdm import tqdm
+
+from benchlib.decode import DecodeHarness
+from benchlib.registry import Context, RowResult, row
+from benchlib.rows.common import close_harnesses, llama_weights
+from benchlib.timing import fmt_bytes, fmt_ms, fmt_ratio, interleaved, md_table, median, ratio_stats
+from gemini_jax.config import SparseConfig
+from gemini_jax.runtime import images
+
+QUANT = ("int8", "float8_e4m3fn")
+GOAL_BYTES = 0.27  # quantized / float32 bytes, scales included
+
+
+def _sizes(ctx: Context) -> dict:
+    return ctx.pick(quick=dict(context=2048, steps=3, repeats=3, warmup=2, budget=512),
+                    full=dict(context=32768, steps=4, repeats=7, warmup=2, budget=2048))
+
+
+@row("kv_quant", about=(
+    "Decode step (batch 1) of the paged engine with `cache.dtype` int8 and float8_e4m3fn against "
+    "float32 KV, at 32K context, dense and chunk-sparse (minmax digests, budget 2048, block 16): the "
+    "three engines hold the same random K/V (drawn in float32, quantized by the engine as it stores "
+    "them), are stepped through `runner.decode` interleaved (order rotated), and each headline is the "
+    "median of per-repeat ratios quantized / float32 step time. Bytes: the engines' `kv_bytes_read` "
+    "counter per step, and the sequence's KV payload as a snapshot stores it (`images.take`: K, V and "
+    f"their scales), quantized / float32 (goal ≤ {GOAL_BYTES}× for both); with sparse attention the snapshot "
+    "also holds the page digests, kept in float32 for every dtype, shown beside it."))
+def kv_quant(ctx: Context) -> RowResult:
+    s = _sizes(ctx)
+    model = llama_weights(ctx).ours
+    per_run = s["warmup"] + s["steps"] * s["repeats"]
+    records = []
+    for mode in tqdm(("dense", "sparse"), desc="kv_quant"):
+        sparse = SparseConfig(enabled=True, budget=s["budget"], digest="minmax") if mode == "sparse" else None
+        hs = {}
+        try:
+            for dt in (None, *QUANT):
+                hs[dt or "float32"] = DecodeHarness(model, kind="paged", context=s["context"], seed=ctx.seed,
+                                                    new_tokens=per_run, sparse=sparse, cache_dtype=dt)
+            payload = {}
+            for name, h in hs.items():
+                for _ in range(s["warmup"]):
+                    h.step()
+                image = images.take(h.eng.kv, h.eng.store, h.runner.ids[0])
+                payload[name] = (image.k.nbytes + image.v.nbytes, image.nbytes)  # KV + scales; + digests
+            before = {n: (h.stats["kv_bytes_read"], h.steps) for n, h in hs.items()}
+            times = interleaved({n: (lambda h=h: h.timed(s["steps"])) for n, h in hs.items()}, s["repeats"],
+                                desc=f"kv_quant {mode} @ {s['context']}")
+            per_step = {n: (h.stats["kv_bytes_read"] - before[n][0]) / (h.steps - before[n][1]) for n, h in hs.items()}
+            for dt in QUANT:
+                records.append({
+                    "row": "kv_quant", "mode": mode, "dtype": dt, "context": s["context"],
+                    "budget": s["budget"] if sparse else None,
+                    "float32_step_seconds_median": median(times["float32"]),
+                    "quant_step_seconds_median": median(times[dt]),
+                    "float32_step_seconds_all": times["float32"], "quant_step_seconds_all": times[dt],
+                    **{"time_" + k: v for k, v in ratio_stats(times[dt], times["float32"]).items()},
+                    "float32_kv_bytes_per_step": per_step["float32"], "quant_kv_bytes_per_step": per_step[dt],
+                    "kv_bytes_ratio": per_step[dt] / per_step["float32"],
+                    "float32_snapshot_kv_bytes": payload["float32"][0], "quant_snapshot_kv_bytes": payload[dt][0],
+                    "snapshot_kv_ratio": payload[dt][0] / payload["float32"][0],
+                    "snapshot_payload_ratio": payload[dt][1] / payload["float32"][1],
+                    "steps_per_repeat": s["steps"], "repeats": s["repeats"],
+                })
+        finally:
+            close_harnesses(*hs.values())
+    return RowResult(records=records, markdown=markdown(records))
+
+
+def markdown(records) -> str:
+    def mark(x):
+        return "✓" if x <= GOAL_BYTES else "✗"
+
+    table = [[r["mode"], r["dtype"], r["context"], fmt_ms(r["float32_step_seconds_median"]),
+              fmt_ms(r["quant_step_seconds_median"]), fmt_ratio(r, "time_"),
+              f"{fmt_bytes(r['quant_kv_bytes_per_step'])} / {fmt_bytes(r['float32_kv_bytes_per_step'])} = "
+              f"{r['kv_bytes_ratio']:.3f}× {mark(r['kv_bytes_ratio'])}",
+              f"{r['snapshot_kv_ratio']:.3f}× {mark(r['snapshot_kv_ratio'])}",
+              f"{r['snapshot_payload_ratio']:.3f}×"] for r in records]
+    return md_table(["attention", "KV dtype", "context", "float32 step", "quantized step",
+                     "step time quantized / float32 (min–max)", "KV bytes read per step (goal ≤ 0.27×)",
+                     "snapshot KV + scales (goal ≤ 0.27×)", "… + float32 digests"], table) + (
+        "\n\nStep times are medians over interleaved repeats; the ratio is the median of per-repeat ratios. "
+        "On this CPU a quantized read converts each page back to float32 before the products, so fewer "
+        "bytes need not mean a faster step.")
