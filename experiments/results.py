@@ -88,6 +88,21 @@ SUBSETS: dict[str, list[Job]] = {
     "decode": [Job("bench_decode/bench", ("--rows", "decode_steps_vs_hf,decode_bandwidth",
                                           "--out", "experiments/results/bench_decode"), 35, script="bench.py")],
 }
+# Quantized KV on the test trials the float32 records hold (the first trials of each cell, the first
+# windows of each context: the same prompts), paired with them by results_tables.kv_quant_block.
+def _quant(dtype: str, tag: str) -> list[Job]:
+    over = f"engine.cache.dtype={dtype}"
+    jobs = [_needle(f"{tag}_rerank_8k_test", "extrapolate_rerank", 8192, 10, "test", 6),
+            _needle(f"{tag}_rerank_32k_test", "extrapolate_rerank", 32768, 5, "test", 11),
+            _needle(f"{tag}_dense_test", "off", "[1024,2048,4096]", 10, "test", 5, depths=DEPTHS5)]
+    bpb = _bpb(f"bpb_{tag}_extrapolate_test", "extrapolate", "[2048,4096,8192,16384,32768]", "test", 10)
+    bpb = Job(bpb.record, tuple(o.replace("windows=32", "windows=8") for o in bpb.overrides), bpb.minutes)
+    return [Job(j.record, (*j.overrides, over), j.minutes) for j in (*jobs, bpb)]
+
+
+SUBSETS["kv_quant"] = [*_quant("int8", "int8"), *_quant("float8_e4m3fn", "fp8"),
+                       Job("bench_kv_quant/bench", ("--rows", "kv_quant", "--out", "experiments/results/bench_kv_quant"),
+                           6, script="bench.py")]
 # A sample of each needle / bits-per-byte record rerun at the current commit, trial by trial
 # (experiments/reproduce.py): minutes instead of the hours a full rerun of those subsets takes.
 SUBSETS["reproduce"] = [

@@ -146,7 +146,8 @@ def run_needle(cfg, model, tok, desc):
     res = needle(eng, lengths, [float(d) for d in ex.depths], trials=int(ex.trials), batch=int(ex.batch),
                  distractors=int(ex.distractors), haystack=_haystack(ex.haystack), draw=draw)
     e = eng.config
-    label = (f"{desc}; cache {e.cache.kind} bs={e.cache.block_size}; "
+    label = (f"{desc}; cache {e.cache.kind} bs={e.cache.block_size}"
+             + (f" {e.cache.dtype}" if e.cache.dtype else "") + "; "
              + (f"sparse {e.sparse.digest} budget={e.sparse.budget}"
                 + (", sparse prefill" if e.sparse.sparse_prefill else "")
                 + (", compact positions" if e.sparse.positions == "compact" else "")
