@@ -13,7 +13,7 @@ import json
 import os
 import re
 
-from gemini_jax.eval.intervals import wilson
+from gemini_jax.eval.intervals import mean_t95, paired_difference, wilson
 
 REQUIRED = ("command", "config", "commit", "split", "seeds")  # DESIGN.md: every committed result records these
 LEGACY = "legacy"  # experiments/results/legacy/: files from before records carried them (its README lists each)
@@ -299,6 +299,99 @@ def serve_block(results_dir: str) -> str:
     return module.markdown(rec) + f"\n\nFrom {_link('serve_load/serve_load')}."
 
 
+QUANT_TAGS = (("int8", "int8"), ("float8_e4m3fn", "fp8"))
+QUANT_NEEDLE_POINTS = 2.0  # goal: quantized within 2 points of float32 (paired 95% interval, Newcombe)
+QUANT_BPB_REL = 0.01       # goal: bits per byte within 1% of float32 (paired 95% interval)
+
+
+def paired_needle(quant: dict, base: dict, length: int | None = None) -> dict:
+    """Quantized vs float32 needle outcomes on the same trials: quantized record trial t of cell c is
+    the float32 record's trial t of cell c (same draw index, so the same prompt; keys are checked)."""
+    tq, tb = int(quant["trials"]), int(base["trials"])
+    if quant["depths"] != base["depths"] or tq > tb:
+        raise ValueError(f"{quant['name']} cannot be paired with {base['name']}: other depths or more trials")
+    d, hits_q, hits_b, both = [], 0, 0, 0
+    for k, rq in enumerate(quant["records"]):
+        if length is not None and rq["length"] != length:
+            continue
+        cell, t = divmod(k, tq)
+        rb = base["records"][cell * tb + t]
+        if (rq["length"], rq["depth"], rq["key"]) != (rb["length"], rb["depth"], rb["key"]):
+            raise ValueError(f"{quant['name']} trial {k} is not {base['name']} trial {cell * tb + t}")
+        d.append(int(rq["ok"]) - int(rb["ok"]))
+        hits_q += rq["ok"]
+        hits_b += rb["ok"]
+        both += rq["ok"] and rb["ok"]
+    fixed, lost = d.count(1), d.count(-1)
+    diff, lo, hi = paired_difference(both, fixed, lost, len(d) - both - fixed - lost)
+    return {"n": len(d), "quant": hits_q, "base": hits_b, "diff": 100 * diff, "lo": 100 * lo, "hi": 100 * hi,
+            "fixed": fixed, "lost": lost}
+
+
+def paired_bpb(quant: dict, base: dict) -> list[dict]:
+    """Per context: quantized vs float32 bits per byte over the same windows (the first n of each)."""
+    out = []
+    by = {r["context"]: r for r in base["records"]}
+    for rq in quant["records"]:
+        rb = by[rq["context"]]
+        q = rq["per_window"]
+        b = rb["per_window"][:len(q)]
+        mean_b = sum(b) / len(b)
+        _, lo, hi = mean_t95([x - y for x, y in zip(q, b)])
+        out.append({"context": rq["context"], "n": len(q), "quant": sum(q) / len(q), "base": mean_b,
+                    "rel": (sum(q) / len(q) - mean_b) / mean_b, "lo": lo / mean_b, "hi": hi / mean_b})
+    return out
+
+
+def kv_quant_block(results_dir: str) -> str:
+    rows = ["| KV dtype | measurement | float32, same trials | quantized | quantized − float32 [paired 95%] | goal | file |",
+            "|---|---|---|---|---|---|---|"]
+    loaded = []
+    needles = (("rerank_8k", "needle/rerank_8k_test", "needle 8K, `extrapolate_rerank`", None),
+               ("rerank_32k", "needle/rerank_32k_test", "needle 32K, `extrapolate_rerank`", None),
+               *(("dense", "needle/dense_test", f"needle {L // 1024}K, dense", L) for L in (1024, 2048, 4096)))
+    for dtype, tag in QUANT_TAGS:
+        for name, base_rec, what, length in needles:
+            q, b = _load(results_dir, f"needle/{tag}_{name}_test"), _load(results_dir, base_rec)
+            loaded += [q, b]
+            if q is None or b is None:
+                rows.append(f"| {dtype} | {what} | — | — | — | — | {_missing('kv_quant')} |")
+                continue
+            p = paired_needle(q, b, length)
+            ok = -QUANT_NEEDLE_POINTS <= p["lo"] and p["hi"] <= QUANT_NEEDLE_POINTS
+            rows.append(f"| {dtype} | {what} | {p['base']}/{p['n']} | {p['quant']}/{p['n']} | "
+                        f"{p['diff']:+.1f} [{p['lo']:+.1f}, {p['hi']:+.1f}] points ({p['fixed']} fixed, "
+                        f"{p['lost']} lost) | {'✓' if ok else '✗'} | {_link(f'needle/{tag}_{name}_test')} |")
+        q, b = (_load(results_dir, f"perplexity/bpb_{tag}_extrapolate_test"),
+                _load(results_dir, "perplexity/bpb_extrapolate_test"))
+        loaded += [q, b]
+        if q is None or b is None:
+            rows.append(f"| {dtype} | bits per byte, `extrapolate` | — | — | — | — | {_missing('kv_quant')} |")
+        else:
+            for p in paired_bpb(q, b):
+                ok = -QUANT_BPB_REL <= p["lo"] and p["hi"] <= QUANT_BPB_REL
+                rows.append(f"| {dtype} | bits per byte {p['context'] // 1024}K, `extrapolate` ({p['n']} windows) | "
+                            f"{p['base']:.4f} | {p['quant']:.4f} | {100 * p['rel']:+.2f}% [{100 * p['lo']:+.2f}, "
+                            f"{100 * p['hi']:+.2f}] | {'✓' if ok else '✗'} | "
+                            f"{_link(f'perplexity/bpb_{tag}_extrapolate_test')} |")
+    bench = _load(results_dir, "bench_kv_quant/bench")
+    tail = ["", f"Goals: within ±{QUANT_NEEDLE_POINTS:.0f} points of float32 (needle) and ±{100 * QUANT_BPB_REL:.0f}% "
+                f"(bits per byte), the whole paired interval inside. Commit(s) the files came from: {_commits(loaded)}."]
+    if bench is None:
+        return "\n".join(rows + tail + ["", f"Step time and bytes: {_missing('kv_quant')}"])
+    b = bench["rows"]["kv_quant"]["records"]
+    brow = ["| attention | KV dtype | context | step time quantized / float32 (min–max) | KV bytes read per step | "
+            "snapshot KV + scales | … + float32 digests |", "|---|---|---|---|---|---|---|"]
+    for r in b:
+        brow.append(f"| {r['mode']} | {r['dtype']} | {r['context'] // 1024}K | {r['time_ratio']:.2f}× "
+                    f"({r['time_ratio_min']:.2f}–{r['time_ratio_max']:.2f}) | {r['kv_bytes_ratio']:.3f}× "
+                    f"{'✓' if r['kv_bytes_ratio'] <= 0.27 else '✗'} | {r['snapshot_kv_ratio']:.3f}× "
+                    f"{'✓' if r['snapshot_kv_ratio'] <= 0.27 else '✗'} | {r['snapshot_payload_ratio']:.3f}× |")
+    return "\n".join(rows + tail + ["", *brow, "", f"Bytes goal ≤ 0.27× of float32, scales included. From "
+                                     f"[BENCH.md](experiments/results/bench_kv_quant/BENCH.md) (raw: `bench.json`), "
+                                     f"commit `{bench['commit'][:7]}`, seed {bench['seeds'][0]}."])
+
+
 def reproduce_block(results_dir: str) -> str:
     """One row per needle / bits-per-byte record the README shows: a sample of its trials rerun at a
     later commit (experiments/reproduce.py), and how many came out the same."""
@@ -333,7 +426,8 @@ def reproduce_block(results_dir: str) -> str:
 
 BLOCKS = {"needle": needle_block, "bpb": bpb_block, "make_run": make_run_block, "exactness": exactness_block,
           "decode": decode_block, "tiers": tiers_block, "prefix": prefix_block,
-          "serve": serve_block, "reproduce": reproduce_block}
+          "serve": serve_block, "reproduce": reproduce_block,
+          "kv_quant": kv_quant_block}
 
 
 def render(text: str, results_dir: str) -> tuple[str, int]:

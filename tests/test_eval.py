@@ -159,6 +159,18 @@ def test_intervals_match_known_values():
     assert wilson(0, 10)[0] == 0.0 and wilson(10, 10)[1] == pytest.approx(1.0)
     m, lo, hi = mean_t95([1.0, 2.0, 3.0, 4.0])  # mean 2.5, sd 1.291, t(3) 3.182
     assert (m, lo, hi) == pytest.approx((2.5, 2.5 - 3.182 * 1.2910 / 2, 2.5 + 3.182 * 1.2910 / 2), abs=1e-3)
+    from gemini_jax.eval.intervals import paired_difference
+
+    # Many pairs: Newcombe's interval meets the normal one for paired proportions, (b - c)/n +- z se.
+    d, lo, hi = paired_difference(5000, 1200, 1000, 2800)
+    se = ((1200 + 1000) - (1200 - 1000) ** 2 / 10000) ** 0.5 / 10000
+    assert (d, lo, hi) == pytest.approx((0.02, 0.02 - 1.96 * se, 0.02 + 1.96 * se), abs=2e-4)
+    # No trial differs: the difference is 0, yet 100 trials cannot exclude a few points either way.
+    d, lo, hi = paired_difference(95, 0, 0, 5)
+    assert d == 0 and -0.05 < lo < -0.02 and 0.02 < hi < 0.05 and lo == pytest.approx(-hi)
+    # Swapping the systems mirrors the interval.
+    d, lo, hi = paired_difference(90, 3, 1, 6)
+    assert paired_difference(90, 1, 3, 6) == pytest.approx((-d, -hi, -lo)) and lo < d < hi
 
 
 def test_batched_scoring_equals_one_request_at_a_time():

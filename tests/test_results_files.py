@@ -98,3 +98,28 @@ def test_render_fills_a_stale_block_and_refuses_an_unknown_one(tmp_path):
     assert "95.0% [91.0, 97.3] (190/200)" in new and "✓ (interval reaches below)" in new, new
     with pytest.raises(ValueError, match="no renderer"):
         rt.render("<!-- results:nope -->\n<!-- /results:nope -->\n", str(tmp_path))
+
+
+def test_quantized_records_pair_with_the_float_trials_they_share():
+    """kv_quant_block pairs trial t of cell c of a quantized run with trial t of cell c of the float32
+    record (which drew more trials per cell); a trial whose key differs is refused, never paired."""
+    seed = 7
+    rng = __import__("numpy").random.default_rng(seed)
+    depths = [0.1, 0.9]
+    base = {"name": "base", "trials": 4, "depths": depths, "records": [
+        {"length": 8192, "depth": d, "key": f"{i}{t}", "ok": bool(rng.integers(2))}
+        for i, d in enumerate(depths) for t in range(4)]}
+    quant = {"name": "q", "trials": 2, "depths": depths, "records": [
+        {**base["records"][i * 4 + t], "ok": bool(rng.integers(2))} for i in range(2) for t in range(2)]}
+    p = rt.paired_needle(quant, base)
+    pairs = [(quant["records"][i * 2 + t]["ok"], base["records"][i * 4 + t]["ok"]) for i in range(2) for t in range(2)]
+    assert p["n"] == 4 and p["quant"] == sum(a for a, _ in pairs) and p["base"] == sum(b for _, b in pairs), seed
+    assert (p["fixed"], p["lost"]) == (sum(a and not b for a, b in pairs), sum(b and not a for a, b in pairs)), seed
+    assert p["lo"] <= p["diff"] <= p["hi"]
+    quant["records"][3]["key"] = "x"
+    with pytest.raises(ValueError, match="trial 3 is not base trial 5"):
+        rt.paired_needle(quant, base)
+    bq = {"records": [{"context": 2048, "per_window": [1.0, 1.1]}]}
+    bb = {"records": [{"context": 2048, "per_window": [1.0, 1.0, 5.0]}]}
+    (row,) = rt.paired_bpb(bq, bb)
+    assert row["n"] == 2 and row["rel"] == pytest.approx(0.05) and row["base"] == 1.0
