@@ -598,7 +598,9 @@ class ServeConfig:
     `api_keys`: a JSON file {key: {tenant, pool, per_request}} (compute units, see
     `gemini_jax.serve.quotas`); None accepts any key, with no quotas (the loopback default).
     `state_dir`: where `/snapshot` writes Orbax snapshots and the audit log lives (None: a
-    temporary directory of the server's life).
+    temporary directory of the server's life). `session_ttl_s`: how long an interrupted request's
+    state (its pages' image and logits, in host memory) waits for a resume, snapshot or delete
+    before it is dropped; its snapshot on disk, if one was taken, stays (0: until deleted).
     """
 
     host: str = "127.0.0.1"
@@ -610,6 +612,7 @@ class ServeConfig:
     pad_batch: bool = True
     api_keys: Optional[str] = None
     state_dir: Optional[str] = None
+    session_ttl_s: float = 3600.0
 
     def __post_init__(self):
         _require(_is_int(self.port) and 0 <= self.port <= 65535,
@@ -621,6 +624,9 @@ class ServeConfig:
         _require(self.preempt in PREEMPT_MODES, f"serve.preempt={self.preempt!r} must be one of {PREEMPT_MODES}.")
         _require(_is_int(self.max_waiting) and self.max_waiting >= 0,
                  f"serve.max_waiting={self.max_waiting!r} must be an integer >= 0.")
+        _require(isinstance(self.session_ttl_s, (int, float)) and not isinstance(self.session_ttl_s, bool)
+                 and self.session_ttl_s >= 0,
+                 f"serve.session_ttl_s={self.session_ttl_s!r} must be a number of seconds >= 0 (0: until deleted).")
 
 
 def replace(cfg, **changes):

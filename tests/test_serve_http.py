@@ -4,6 +4,7 @@ requests get OpenAI-style errors, a client that goes away frees its pages, /metr
 the engine's counters, keys and quotas."""
 
 import json
+import os
 import threading
 import time
 
@@ -363,3 +364,44 @@ def test_the_command_line_server_starts_with_hydra_overrides(tmp_path):
     bad = subprocess.run([*cmd[:3], "serve.preempt=drop", f"hydra.run.dir={tmp_path / 'bad'}"], cwd=root,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "serve.preempt" in bad.stdout + bad.stderr
+
+
+def test_an_interrupted_session_expires_after_its_ttl_and_the_404_says_where_its_snapshot_is(server, tmp_path):
+    from gemini_jax.serve.request import Request
+    from gemini_jax.serve.sessions import Sessions
+
+    now = [100.0]
+    s = Sessions(None, str(tmp_path / "state"), ttl_s=60, clock=lambda: now[0])
+    reqs = {sid: Request(sid, [1, 2], gj.SamplingParams()) for sid in ("a", "b", "c")}
+    for sid, r in reqs.items():
+        s.add(sid, r)
+    reqs["a"].finish_reason = reqs["b"].finish_reason = "interrupted"
+    reqs["c"].finish_reason = "length"
+    s.ended("a", reqs["a"])
+    now[0] += 30
+    s.ended("b", reqs["b"])
+    s.ended("c", reqs["c"])  # not interrupted: forgotten at once
+    assert s.get("c") is None and s.parked == 2
+    now[0] += 31  # a parked 61 s (> 60), b 31 s
+    assert s.get("a") is None and s.get("b") is reqs["b"] and s.parked == 1 and s.expired == {"a": None}
+    s.add("b", reqs["b"])  # resumed under its id: no longer parked
+    now[0] += 1000
+    assert s.get("b") is reqs["b"] and s.parked == 0
+
+    # Over HTTP: an interrupted, snapshotted stream expires; its 404 names the snapshot.
+    state = server.state
+    got = {}
+    body = {"model": MODEL_ID, "prompt": _prompts(1, SEED + 40)[0], "max_tokens": 200, "temperature": 0,
+            "stream": True}
+    sid, _, finish = _stream_until(server, body, 3, lambda sid: got.setdefault(
+        "r", httpx.post(f"{server.url}/v1/sessions/{sid}/interrupt", timeout=60)))
+    assert finish == "interrupted" and got["r"].status_code == 200, got["r"].text
+    path = httpx.post(f"{server.url}/v1/sessions/{sid}/snapshot", timeout=60).json()["path"]
+    clock, ttl = state.sessions._clock, state.sessions.ttl_s
+    try:
+        state.sessions.ttl_s, state.sessions._clock = 5.0, lambda: clock() + 10.0
+        r = httpx.post(f"{server.url}/v1/sessions/{sid}/resume", json={"instruction": "y"})
+    finally:
+        state.sessions.ttl_s, state.sessions._clock = ttl, clock
+    assert r.status_code == 404 and r.json()["error"]["code"] == "session_expired", r.text
+    assert path in r.json()["error"]["message"] and os.path.isdir(path)

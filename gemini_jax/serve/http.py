@@ -87,7 +87,7 @@ class Server:
         self.scheduler = Scheduler(engine, config)
         self.worker = Worker(self.scheduler)
         self.metrics = Metrics(self.worker)
-        self.sessions = Sessions(engine, config.state_dir)
+        self.sessions = Sessions(engine, config.state_dir, ttl_s=config.session_ttl_s)
         self.layers = engine.model_cfg.num_layers
 
     def close(self) -> None:
@@ -200,6 +200,12 @@ class Server:
     def session(self, http: HttpRequest) -> tuple[str, Request]:
         sid = http.path_params["sid"]
         req = self.sessions.get(sid)
+        if req is None and sid in self.sessions.expired:
+            path = self.sessions.expired[sid]
+            raise ApiError(404, f"session {sid!r} expired: it waited longer than serve.session_ttl_s="
+                                f"{self.config.session_ttl_s:g} s after its interrupt"
+                                + (f"; its snapshot is at {path} (Engine.resume reads it)." if path else
+                                   " and no snapshot was taken."), param="id", code="session_expired")
         if req is None:
             raise ApiError(404, f"no session {sid!r}: it ended without an interrupt, was deleted, or never existed.",
                            param="id", code="session_not_found")

@@ -55,11 +55,15 @@ class Turn:
 
 
 class Sessions:
-    """Requests by id (running ones, and interrupted ones until deleted); their snapshots and the
-    audit log under `state_dir` (`snapshots/<id>`, `audit.jsonl`)."""
+    """Requests by id (running ones, and interrupted ones until deleted or `ttl_s` after their
+    interrupt); their snapshots and the audit log under `state_dir` (`snapshots/<id>`, `audit.jsonl`).
+    `clock`: seconds, monotonic (a test passes its own)."""
 
-    def __init__(self, engine, state_dir: Optional[str]):
+    def __init__(self, engine, state_dir: Optional[str], *, ttl_s: float = 0.0, clock=time.monotonic):
         self.engine = engine
+        self.ttl_s, self._clock = float(ttl_s), clock
+        self._parked: dict[str, float] = {}  # interrupted id -> when it parked
+        self.expired: dict[str, Optional[str]] = {}  # dropped id -> its snapshot path (None: never taken)
         self._tmp = None
         if state_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="gemini_jax-serve-")
@@ -73,20 +77,45 @@ class Sessions:
     def add(self, sid: str, req: Request) -> None:
         with self._lock:
             self.requests[sid] = req
+            self._parked.pop(sid, None)
 
     def get(self, sid: str) -> Optional[Request]:
         with self._lock:
+            self._expire()
             return self.requests.get(sid)
 
     def ended(self, sid: str, req: Request) -> None:
-        """A request ended: an interrupted one stays (resumable), others are forgotten."""
-        if req.finish_reason != "interrupted":
-            with self._lock:
+        """A request ended: an interrupted one stays (resumable) until its time to live runs out,
+        others are forgotten."""
+        with self._lock:
+            if req.finish_reason != "interrupted":
                 self.requests.pop(sid, None)
+            elif sid in self.requests:
+                self._parked[sid] = self._clock()
+            self._expire()
 
     def delete(self, sid: str) -> bool:
         with self._lock:
+            self._parked.pop(sid, None)
             return self.requests.pop(sid, None) is not None
+
+    @property
+    def parked(self) -> int:
+        """Interrupted requests held in memory."""
+        with self._lock:
+            self._expire()
+            return len(self._parked)
+
+    def _expire(self) -> None:
+        """Drop interrupted requests parked longer than ttl_s (caller holds the lock). Their host
+        copies of KV go; a snapshot taken on disk stays, and its path is remembered for the 404."""
+        if self.ttl_s <= 0:
+            return
+        now = self._clock()
+        for sid in [s for s, t in self._parked.items() if now - t > self.ttl_s]:
+            del self._parked[sid]
+            self.requests.pop(sid, None)
+            self.expired[sid] = self.snapshots.get(sid, (None, None))[0]
 
     # ---- snapshots --------------------------------------------------------------------------------
     def snapshot(self, sid: str, req: Request) -> tuple[str, str]:
