@@ -15,91 +15,47 @@ One process owns a log at a time (an exclusive `flock`).
 
 from __future__ import annotations
 
-import fcntl
-import os
 import struct
-import zlib
 from typing import Iterable
 
-from gemini_jax.tiers.errors import TierError
 from gemini_jax.tiers.page import PageKey
+from gemini_jax.tiers.record_log import LogFormat, RecordLog
 
 _MAGIC = b"GJKVLOG1"
-_HEADER = _MAGIC + struct.pack("<II", 1, 0)  # magic, version, reserved
-_BODY = struct.Struct("<B3xIQ16s")  # kind, pad, layer, page, digest
-_CRC = struct.Struct("<I")
-RECORD_BYTES = _BODY.size + _CRC.size  # 36
 INTENT, COMMIT = 1, 2
+FORMAT = LogFormat(header=_MAGIC + struct.pack("<II", 1, 0),  # magic, version, reserved
+                   body=struct.Struct("<B3xIQ16s"),  # kind, pad, layer, page, digest
+                   name="the disk tier's page log",
+                   remedy="point tier.disk_path at an empty directory or one this framework wrote.",
+                   valid=lambda record: record[0] in (INTENT, COMMIT))
+RECORD_BYTES = FORMAT.record_bytes  # 36
+_NO_DIGEST = b"\0" * 16
 
 
 class PageLog:
-    """Open (or create) the log at `path` and replay it."""
+    """Open (or create) the log at `path` and replay it (`record_log.RecordLog`: one owner, torn
+    tail dropped)."""
 
     def __init__(self, path: str, *, fsync: bool = False):
         self.path = path
-        self.fsync = fsync
         self.committed: dict[PageKey, bytes] = {}
         self.incomplete: set[PageKey] = set()
-        self.torn_records = 0  # partial / corrupt records dropped at replay
-        try:
-            self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as e:
-            raise TierError(f"cannot open the disk tier's page log {path!r}: {e.strerror} "
-                            f"(errno {e.errno}); choose a writable tier.disk_path.") from e
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            os.close(self._fd)
-            raise TierError(f"the page log {path!r} is held by another process; one process may own "
-                            f"a disk tier at a time (use another tier.disk_path).") from e
-        self._replay()
-
-    def _replay(self) -> None:
-        size = os.fstat(self._fd).st_size
-        if size == 0:
-            self._append(_HEADER)
-            return
-        raw = os.pread(self._fd, size, 0)
-        if raw[:len(_HEADER)] != _HEADER:
-            raise TierError(f"{self.path!r} is not a gemini_jax page log (bad header); point "
-                            f"tier.disk_path at an empty directory or one this framework wrote.")
-        good = len(_HEADER)
-        for off in range(len(_HEADER), size - RECORD_BYTES + 1, RECORD_BYTES):
-            body = raw[off:off + _BODY.size]
-            (crc,) = _CRC.unpack_from(raw, off + _BODY.size)
-            if zlib.crc32(body) != crc:
-                break  # torn or corrupt: nothing after it can be trusted
-            kind, layer, page, digest = _BODY.unpack(body)
+        self._log = RecordLog(path, FORMAT, fsync=fsync)
+        self.torn_records = self._log.torn_records
+        for kind, layer, page, digest in self._log.records:
             key = (layer, page)
             if kind == INTENT:
                 self.committed.pop(key, None)
                 self.incomplete.add(key)
-            elif kind == COMMIT:
+            else:  # COMMIT (the replay stops at any other kind)
                 self.incomplete.discard(key)
                 self.committed[key] = digest
-            else:
-                break
-            good = off + RECORD_BYTES
-        if good != size:
-            self.torn_records = -(-(size - good) // RECORD_BYTES)
-            os.ftruncate(self._fd, good)
-
-    def _append(self, data: bytes) -> None:
-        try:
-            os.write(self._fd, data)  # O_APPEND is not used: we own the file; writes go at the end
-        except OSError as e:
-            raise TierError(f"cannot append to the page log {self.path!r}: {e.strerror} (errno {e.errno}).") from e
-
-    @staticmethod
-    def _record(kind: int, key: PageKey, digest: bytes = b"\0" * 16) -> bytes:
-        body = _BODY.pack(kind, key[0], key[1], digest)
-        return body + _CRC.pack(zlib.crc32(body))
+        self._log.records = []  # replayed into the sets above
 
     def begin(self, keys: Iterable[PageKey]) -> None:
         """Record that writes of `keys` are starting (before any of their data is written)."""
         keys = list(keys)
-        os.lseek(self._fd, 0, os.SEEK_END)
-        self._append(b"".join(self._record(INTENT, k) for k in keys))
+        self._log.append([(INTENT, k[0], k[1], _NO_DIGEST) for k in keys], sync=False)
         for k in keys:
             self.committed.pop(k, None)
             self.incomplete.add(k)
@@ -107,15 +63,10 @@ class PageLog:
     def commit(self, items: Iterable[tuple[PageKey, bytes]]) -> None:
         """Record that the data of each (key, digest) is completely written."""
         items = list(items)
-        os.lseek(self._fd, 0, os.SEEK_END)
-        self._append(b"".join(self._record(COMMIT, k, d) for k, d in items))
-        if self.fsync:
-            os.fsync(self._fd)
+        self._log.append([(COMMIT, k[0], k[1], d) for k, d in items])
         for k, d in items:
             self.incomplete.discard(k)
             self.committed[k] = d
 
     def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)  # releases the flock
-            self._fd = -1
+        self._log.close()

@@ -26,12 +26,10 @@ NOTE invariants:
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
 import struct
-import zlib
 from typing import Optional
 
 import numpy as np
@@ -40,12 +38,13 @@ import tensorstore as ts
 from gemini_jax.errors import IntegrityError
 from gemini_jax.tiers.errors import TierError
 from gemini_jax.tiers.page import PageSpec
+from gemini_jax.tiers.record_log import LogFormat, RecordLog
 
 _MAGIC = b"GJPFXLG1"
-_HEADER = _MAGIC + struct.pack("<II", 1, 0)
-_BODY = struct.Struct("<QI16s")  # block hash, slot, checksum of the slot's bytes
-_CRC = struct.Struct("<I")
-RECORD_BYTES = _BODY.size + _CRC.size  # 32
+FORMAT = LogFormat(header=_MAGIC + struct.pack("<II", 1, 0),
+                   body=struct.Struct("<QI16s"),  # block hash, slot, checksum of the slot's bytes
+                   name="the prefix index", remedy="remove the directory.")
+RECORD_BYTES = FORMAT.record_bytes  # 32
 CAPACITY = 1 << 24  # slots the array can address (chunks are files: only written slots take space)
 
 
@@ -88,21 +87,14 @@ class PrefixStore:
         except OSError as e:
             raise TierError(f"cannot create the prefix store {self.path!r}: {e.strerror} (errno {e.errno}).") from e
         self._check_meta(fingerprint)
-        log = os.path.join(self.path, "index.log")
-        try:
-            self._fd = os.open(log, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as e:
-            raise TierError(f"cannot open the prefix index {log!r}: {e.strerror} (errno {e.errno}).") from e
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            os.close(self._fd)
-            raise TierError(f"the prefix store {self.path!r} is held by another process; one engine may own it "
-                            f"at a time.") from e
+        self._log = RecordLog(os.path.join(self.path, "index.log"), FORMAT, fsync=fsync)
+        self.torn_records = self._log.torn_records
         self.index: dict[int, tuple[int, bytes]] = {}  # block hash -> (slot, checksum)
-        self.torn_records = 0
         self._next = 0
-        self._replay()
+        for block, slot, digest in self._log.records:
+            self.index[block] = (slot, digest)
+            self._next = max(self._next, slot + 1)
+        self._log.records = []  # replayed into the index
         try:
             self._array = ts.open(_zarr(os.path.join(self.path, "pages.zarr"), self.shape, spec.dtype, fsync),
                                   create=True, open=True).result()
@@ -112,7 +104,7 @@ class PrefixStore:
                                               str(np.dtype(digest_dtype).name) if digest_dtype is not None
                                               else spec.dtype, fsync), create=True, open=True).result()
         except ValueError as e:
-            os.close(self._fd)
+            self._log.close()
             raise TierError(f"cannot open the prefix pages at {self.path!r}: {e}") from e
         self.pages_written = self.pages_read = 0
         self.failure: Optional[TierError] = None  # a write failure that stopped the engine persisting
@@ -137,28 +129,6 @@ class PrefixStore:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, meta)
-
-    def _replay(self) -> None:
-        size = os.fstat(self._fd).st_size
-        if size == 0:
-            os.write(self._fd, _HEADER)
-            return
-        raw = os.pread(self._fd, size, 0)
-        if raw[:len(_HEADER)] != _HEADER:
-            raise TierError(f"{self.path!r}/index.log is not a prefix index (bad header); remove the directory.")
-        good = len(_HEADER)
-        for off in range(len(_HEADER), size - RECORD_BYTES + 1, RECORD_BYTES):
-            body = raw[off:off + _BODY.size]
-            (crc,) = _CRC.unpack_from(raw, off + _BODY.size)
-            if zlib.crc32(body) != crc:
-                break  # torn or corrupt: nothing after it can be trusted
-            block, slot, digest = _BODY.unpack(body)
-            self.index[block] = (slot, digest)
-            self._next = max(self._next, slot + 1)
-            good = off + RECORD_BYTES
-        if good != size:
-            self.torn_records = -(-(size - good) // RECORD_BYTES)
-            os.ftruncate(self._fd, good)
 
     # ---- reads and writes -----------------------------------------------------------------------
     def __contains__(self, block_hash: int) -> bool:
@@ -200,14 +170,7 @@ class PrefixStore:
                 w.result()
         except ValueError as e:
             raise TierError(f"prefix store write failed at {self.path!r}: {e}. Nothing of the page is visible.") from e
-        body = _BODY.pack(block_hash, slot, digest)
-        try:
-            os.lseek(self._fd, 0, os.SEEK_END)
-            os.write(self._fd, body + _CRC.pack(zlib.crc32(body)))
-            if self.fsync:
-                os.fsync(self._fd)
-        except OSError as e:
-            raise TierError(f"cannot append to the prefix index at {self.path!r}: {e.strerror}.") from e
+        self._log.append([(block_hash, slot, digest)])
         self.index[block_hash] = (slot, digest)
         self.pages_written += 1
         return True
@@ -235,9 +198,7 @@ class PrefixStore:
         return out, dig
 
     def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        self._log.close()
 
     def __enter__(self):
         return self
