@@ -310,7 +310,7 @@ def paired_needle(quant: dict, base: dict, length: int | None = None) -> dict:
     tq, tb = int(quant["trials"]), int(base["trials"])
     if quant["depths"] != base["depths"] or tq > tb:
         raise ValueError(f"{quant['name']} cannot be paired with {base['name']}: other depths or more trials")
-    d, hits_q, hits_b, both = [], 0, 0, 0
+    d, hits_q, hits_b, both, same = [], 0, 0, 0, 0
     for k, rq in enumerate(quant["records"]):
         if length is not None and rq["length"] != length:
             continue
@@ -322,10 +322,11 @@ def paired_needle(quant: dict, base: dict, length: int | None = None) -> dict:
         hits_q += rq["ok"]
         hits_b += rb["ok"]
         both += rq["ok"] and rb["ok"]
+        same += rq["generated"] == rb["generated"]
     fixed, lost = d.count(1), d.count(-1)
     diff, lo, hi = paired_difference(both, fixed, lost, len(d) - both - fixed - lost)
     return {"n": len(d), "quant": hits_q, "base": hits_b, "diff": 100 * diff, "lo": 100 * lo, "hi": 100 * hi,
-            "fixed": fixed, "lost": lost}
+            "fixed": fixed, "lost": lost, "same_text": same}
 
 
 def paired_bpb(quant: dict, base: dict) -> list[dict]:
@@ -359,9 +360,11 @@ def kv_quant_block(results_dir: str) -> str:
                 continue
             p = paired_needle(q, b, length)
             ok = -QUANT_NEEDLE_POINTS <= p["lo"] and p["hi"] <= QUANT_NEEDLE_POINTS
+            why = "" if ok or p["fixed"] + p["lost"] else f" (no trial differs; {p['n']} trials cannot bound it closer)"
             rows.append(f"| {dtype} | {what} | {p['base']}/{p['n']} | {p['quant']}/{p['n']} | "
                         f"{p['diff']:+.1f} [{p['lo']:+.1f}, {p['hi']:+.1f}] points ({p['fixed']} fixed, "
-                        f"{p['lost']} lost) | {'✓' if ok else '✗'} | {_link(f'needle/{tag}_{name}_test')} |")
+                        f"{p['lost']} lost; same text {p['same_text']}/{p['n']}) | {'✓' if ok else '✗'}{why} | "
+                        f"{_link(f'needle/{tag}_{name}_test')} |")
         q, b = (_load(results_dir, f"perplexity/bpb_{tag}_extrapolate_test"),
                 _load(results_dir, "perplexity/bpb_extrapolate_test"))
         loaded += [q, b]

@@ -107,7 +107,7 @@ def test_quantized_records_pair_with_the_float_trials_they_share():
     rng = __import__("numpy").random.default_rng(seed)
     depths = [0.1, 0.9]
     base = {"name": "base", "trials": 4, "depths": depths, "records": [
-        {"length": 8192, "depth": d, "key": f"{i}{t}", "ok": bool(rng.integers(2))}
+        {"length": 8192, "depth": d, "key": f"{i}{t}", "ok": bool(rng.integers(2)), "generated": f"{i}{t}."}
         for i, d in enumerate(depths) for t in range(4)]}
     quant = {"name": "q", "trials": 2, "depths": depths, "records": [
         {**base["records"][i * 4 + t], "ok": bool(rng.integers(2))} for i in range(2) for t in range(2)]}
