@@ -405,3 +405,25 @@ def test_an_interrupted_session_expires_after_its_ttl_and_the_404_says_where_its
         state.sessions.ttl_s, state.sessions._clock = ttl, clock
     assert r.status_code == 404 and r.json()["error"]["code"] == "session_expired", r.text
     assert path in r.json()["error"]["message"] and os.path.isdir(path)
+
+
+def test_text_stream_sends_what_one_decode_gives_and_decodes_each_token_a_bounded_number_of_times():
+    from gemini_jax.serve.http import TextStream
+
+    seed = 77
+    rng = np.random.default_rng(seed)
+    tok = gj.ByteTokenizer()
+    text = "".join(rng.choice(list("ab= \n()éλ中🙂")) for _ in range(300))  # 1- to 4-byte characters
+    tokens = tok.encode(text)
+    decoded = []
+
+    class Counting:
+        def decode(self, ids):
+            decoded.append(len(ids))
+            return tok.decode(ids)
+
+    stream = TextStream(Counting())
+    pieces = [stream.push(t) for t in tokens] + [stream.push(None, final=True)]
+    assert "".join(pieces) == tok.decode(tokens) == text, f"seed={seed}"
+    assert all("\ufffd" not in p for p in pieces), f"seed={seed}: half a character was sent"
+    assert sum(decoded) <= 10 * len(tokens), f"seed={seed}: {sum(decoded)} tokens decoded for {len(tokens)}"

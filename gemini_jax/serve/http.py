@@ -60,22 +60,27 @@ def chat_prompt(messages) -> str:
 
 class TextStream:
     """Text of the generated tokens as it becomes final: a trailing replacement character (a
-    multi-byte character cut between tokens) is held back until the next token completes it."""
+    multi-byte character cut between tokens) is held back until the next token completes it.
+
+    Each push decodes only the tokens since the last text sent, with the tokens of that text as
+    context (a tokenizer may decode a token differently at the start of a string), so a stream of
+    n tokens costs O(n) decoding, not O(n^2)."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.tokens: list[int] = []
-        self.sent = ""
+        self._context = 0  # tokens[_context:_sent] decode to the last text sent: context for the next
+        self._sent = 0     # tokens before it are sent
 
     def push(self, token: Optional[int], final: bool = False) -> str:
         if token is not None:
             self.tokens.append(token)
-        text = self.tokenizer.decode(self.tokens)
-        if not final:
-            text = text.rstrip("\ufffd")
-        delta = text[len(self.sent):] if text.startswith(self.sent) else ""
-        self.sent = text if delta or final else self.sent
-        return delta
+        before = self.tokenizer.decode(self.tokens[self._context:self._sent])
+        text = self.tokenizer.decode(self.tokens[self._context:])
+        if not final and (text.endswith("\ufffd") or len(text) <= len(before) or not text.startswith(before)):
+            return ""  # an unfinished character, or nothing new: wait for the next token
+        self._context, self._sent = self._sent, len(self.tokens)
+        return text[len(before):] if text.startswith(before) else text
 
 
 class Server:
