@@ -546,9 +546,9 @@ class EngineConfig:
             _require(self.attention_impl == "xla",
                      f"cache.dtype={c.dtype!r} is read on the XLA path only (the Pallas kernels take float "
                      f"pages); set attention_impl='xla' (got {self.attention_impl!r}) or a float cache.dtype.")
-            _require(not self.tier.enabled,
-                     f"cache.dtype={c.dtype!r}: the tiers move float pages only; set tier.enabled=false or a "
-                     f"float cache.dtype.")
+            _require(not self.tier.enabled and not self.tier.persistent,
+                     f"cache.dtype={c.dtype!r}: the tiers and the persistent prefix store (tier.enabled, "
+                     f"tier.persistent) hold float pages only; turn them off or use a float cache.dtype.")
             _require(self.mesh.devices == 1,
                      f"cache.dtype={c.dtype!r} is not sharded over a mesh yet; set mesh to one device "
                      f"(got {self.mesh.devices}) or a float cache.dtype.")

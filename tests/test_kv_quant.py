@@ -157,6 +157,7 @@ def test_quantized_kv_refuses_what_it_does_not_run_on_by_name():
         gj.config.CacheConfig(dtype="int4")
     for over, field in ((dict(attention_impl="pallas"), "attention_impl"),
                         (dict(tier=dict(enabled=True, device_fraction=0.5)), "tier.enabled"),
+                        (dict(tier=dict(persistent=True, disk_path="/nonexistent")), "tier.persistent"),
                         (dict(mesh=dict(data=1, model=2)), "mesh")):
         with pytest.raises(ConfigError, match=field):
             gj.config.from_dict(gj.EngineConfig, dict(cache=dict(dtype="int8"), **over))
