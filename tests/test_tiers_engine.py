@@ -29,7 +29,10 @@ def _base(sparse: bool, **over):
 CASE_SEED = 11  # the model's and the prompts' seed in `case`
 
 
-@pytest.fixture(scope="module", params=[("llama", False), ("gemma2", True)], ids=["dense-llama", "sparse-gemma2"])
+# Dense over tiers at every budget and depth runs in `make test-slow`; CI keeps the sparse case (the one
+# prefetch changes most) and dense exactness through the disk-tier and session tests.
+@pytest.fixture(scope="module", params=[pytest.param(("llama", False), marks=pytest.mark.slow), ("gemma2", True)],
+                ids=["dense-llama", "sparse-gemma2"])
 def case(request):
     family, sparse = request.param
     cfg = tiny_config(family)
@@ -205,7 +208,7 @@ def test_too_small_budget_is_cache_exhausted_not_wrong():
         eng.generate([i % 90 + 1 for i in range(300)], SamplingParams(max_new_tokens=2))
 
 
-@pytest.mark.parametrize("distance", [0, 24])
+@pytest.mark.parametrize("distance", [pytest.param(0, marks=pytest.mark.slow), 24])  # 0: also in the fused test
 def test_compact_positions_over_tiers_match_all_resident(distance):
     cfg = tiny_config("qwen2")
     model = random_model(cfg, 8)
@@ -228,7 +231,8 @@ def _fused_base(**sparse):
     return dict(max_seq_len=512, max_batch=1, prefill_chunk=32, cache=CacheConfig(block_size=8), sparse=sp)
 
 
-@pytest.mark.parametrize("family, positions, distance", [("gemma2", "true", 0), ("llama", "compact", 0),
+@pytest.mark.parametrize("family, positions, distance", [("gemma2", "true", 0),
+                                                        pytest.param("llama", "compact", 0, marks=pytest.mark.slow),
                                                         ("llama", "compact", 40)])
 def test_fused_decode_steps_bring_missing_pages_exactly(family, positions, distance):
     """Decode steps as one device program (tier.fused_decode): pages missing from the slots are
