@@ -424,6 +424,6 @@ def test_text_stream_sends_what_one_decode_gives_and_decodes_each_token_a_bounde
 
     stream = TextStream(Counting())
     pieces = [stream.push(t) for t in tokens] + [stream.push(None, final=True)]
-    assert "".join(pieces) == tok.decode(tokens) == text, f"seed={seed}"
+    assert "".join(pieces) == stream.sent == tok.decode(tokens) == text, f"seed={seed}"
     assert all("\ufffd" not in p for p in pieces), f"seed={seed}: half a character was sent"
     assert sum(decoded) <= 10 * len(tokens), f"seed={seed}: {sum(decoded)} tokens decoded for {len(tokens)}"

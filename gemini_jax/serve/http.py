@@ -71,6 +71,12 @@ class TextStream:
         self.tokens: list[int] = []
         self._context = 0  # tokens[_context:_sent] decode to the last text sent: context for the next
         self._sent = 0     # tokens before it are sent
+        self._pieces: list[str] = []
+
+    @property
+    def sent(self) -> str:
+        """The text sent so far."""
+        return "".join(self._pieces)
 
     def push(self, token: Optional[int], final: bool = False) -> str:
         if token is not None:
@@ -80,7 +86,8 @@ class TextStream:
         if not final and (text.endswith("\ufffd") or len(text) <= len(before) or not text.startswith(before)):
             return ""  # an unfinished character, or nothing new: wait for the next token
         self._context, self._sent = self._sent, len(self.tokens)
-        return text[len(before):] if text.startswith(before) else text
+        self._pieces.append(text[len(before):] if text.startswith(before) else text)
+        return self._pieces[-1]
 
 
 class Server:
