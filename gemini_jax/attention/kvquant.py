@@ -1,7 +1,8 @@
 """Quantized KV: int8 or float8 (e4m3) vectors with one float32 scale per vector.
 
 A vector is one token's key (or value) in one kv head: `head_dim` numbers. Each is stored as
-`round(x / scale)` in int8 (or `x / scale` cast to float8_e4m3fn), with `scale = max|x| / QMAX`,
+`round(x / scale)` in int8 (or `x / scale` cast to float8_e4m3fn, held as its bytes: see
+`STORAGE`), with `scale = max|x| / QMAX`,
 and read back as `data * scale` in float32. The scale is per token, not per page, because a
 page fills one decode step at a time: a page-wide scale would have to grow as larger keys
 arrive, re-rounding every key already in the page; a token's scale never changes once written,
@@ -22,6 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+
 from gemini_jax.config import KV_QUANT_DTYPES as QUANT_DTYPES
 
 QMAX = {"int8": 127.0, "float8_e4m3fn": 448.0}
