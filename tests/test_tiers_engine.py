@@ -208,7 +208,7 @@ def test_too_small_budget_is_cache_exhausted_not_wrong():
         eng.generate([i % 90 + 1 for i in range(300)], SamplingParams(max_new_tokens=2))
 
 
-@pytest.mark.parametrize("distance", [pytest.param(0, marks=pytest.mark.slow), 24])  # 0: also in the fused test
+@pytest.mark.parametrize("distance", [0, 24])
 def test_compact_positions_over_tiers_match_all_resident(distance):
     cfg = tiny_config("qwen2")
     model = random_model(cfg, 8)
@@ -232,6 +232,7 @@ def _fused_base(**sparse):
 
 
 @pytest.mark.parametrize("family, positions, distance", [("gemma2", "true", 0),
+                                                        # compact at distance 0 over tiers: the test above
                                                         pytest.param("llama", "compact", 0, marks=pytest.mark.slow),
                                                         ("llama", "compact", 40)])
 def test_fused_decode_steps_bring_missing_pages_exactly(family, positions, distance):
