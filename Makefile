@@ -34,9 +34,10 @@ test-slow: $(VENV)/.installed-test
 bench: $(VENV)/.installed-test
 	$(PY) experiments/bench.py
 
-# Regenerate the README's results tables: `make results SUBSET=needle` (bpb, fullstack, exactness,
-# decode; default all). Long: `python experiments/results.py --list` gives each job's rough CPU
-# minutes. The decode subset compares with transformers (the hf extra, as `make bench`).
+# Regenerate the README's results tables: `make results SUBSET=needle` (default all; every subset,
+# its jobs and their rough CPU minutes: `python experiments/results.py --list`). `SUBSET=reproduce`
+# reruns a sample of each needle / bits-per-byte record at this commit. The decode subset compares
+# with transformers (the hf extra, as `make bench`).
 SUBSET ?= all
 results: $(VENV)/.installed-test
 	$(PY) experiments/results.py $(SUBSET) --render
