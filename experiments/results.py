@@ -4,6 +4,7 @@
     python experiments/results.py needle                 # run every job of a subset (long: see --list)
     python experiments/results.py needle --missing       # only jobs whose record file is absent
     python experiments/results.py --render               # rewrite the README's generated tables
+    python experiments/results.py --stale                # records measured on other code than HEAD's
 
 Each job is an `experiments/run.py` (or `bench.py`) command; it writes its record (command, config, commit, split,
 seeds, records) under experiments/results/. `--render` rebuilds the README blocks between
@@ -105,10 +106,57 @@ SUBSETS["kv_quant"] = [*_quant("int8", "int8"), *_quant("float8_e4m3fn", "fp8"),
                            6, script="bench.py")]
 # A sample of each needle / bits-per-byte record rerun at the current commit, trial by trial
 # (experiments/reproduce.py): minutes instead of the hours a full rerun of those subsets takes.
+# The quantized records are sampled more thinly (5 trials, 2 windows per context): they hold fewer.
+_REPRODUCED = [(j, 10 if j.record.startswith("needle/") else 2) for j in (*SUBSETS["needle"], *SUBSETS["bpb"])]
+_REPRODUCED += [(j, 5 if j.record.startswith("needle/") else 2) for j in SUBSETS["kv_quant"]
+                if j.script == "run.py"]
 SUBSETS["reproduce"] = [
     Job(f"reproduce/{j.record.replace('/', '_')}", (j.record, "--sample", str(n)),
-        4 if "32k" in j.record or "extrapolate" in j.record and group == "bpb" else 2, script="reproduce.py")
-    for group, n in (("needle", 10), ("bpb", 2)) for j in SUBSETS[group]]
+        4 if "32k" in j.record or "extrapolate" in j.record and j.record.startswith("perplexity/") else 2,
+        script="reproduce.py")
+    for j, n in _REPRODUCED]
+
+# What a record's figures depend on: a commit that changes none of these leaves every record valid.
+CODE_PATHS = ("gemini_jax", "conf", "experiments/*.py", "experiments/benchlib", "pyproject.toml")
+
+
+def _changed_since(commit: str) -> int:
+    """Files of CODE_PATHS that differ between `commit` and HEAD (-1: a commit this clone lacks)."""
+    diff = subprocess.run(["git", "diff", "--name-only", commit, "HEAD", "--", *CODE_PATHS], cwd=ROOT,
+                          capture_output=True, text=True)
+    return -1 if diff.returncode != 0 or not commit else len(diff.stdout.split())
+
+
+def stale_records() -> list[tuple[str, str, str]]:
+    """(record, its commit, why) for every record measured on other code than HEAD's. A needle or
+    bits-per-byte record whose sample was rerun on HEAD's code, every trial the same, is not stale:
+    the reproduction stands for it (a full rerun takes hours)."""
+    import json
+
+    def commit_of(job):
+        with open(job.path) as fh:
+            return json.load(fh).get("commit", "")
+
+    reproduced = {}
+    for job in SUBSETS["reproduce"]:
+        if os.path.exists(job.path) and _changed_since(commit_of(job)) == 0:
+            with open(job.path) as fh:
+                o = json.load(fh)["outcome"]
+            reproduced[job.overrides[0]] = o["equal"] == o["checked"]
+    out = []
+    for jobs in SUBSETS.values():
+        for job in jobs:
+            if not os.path.exists(job.path):
+                continue
+            commit = commit_of(job)
+            n = _changed_since(commit)
+            if n == 0 or reproduced.get(job.record):
+                continue
+            why = "commit not in this clone" if n < 0 else f"{n} code file(s) changed since"
+            if job.record in reproduced:
+                why += "; its reproduction on HEAD's code differs"
+            out.append((job.record, commit, why))
+    return out
 
 
 def run_subset(name: str, *, missing_only: bool) -> int:
@@ -134,7 +182,15 @@ def main(argv=None) -> int:
     ap.add_argument("--list", action="store_true", help="list subsets and jobs, run nothing")
     ap.add_argument("--missing", action="store_true", help="run only jobs whose record file is absent")
     ap.add_argument("--render", action="store_true", help="rewrite the README's generated tables from the files")
+    ap.add_argument("--stale", action="store_true",
+                    help="list records whose code (" + ", ".join(CODE_PATHS) + ") changed since they were measured")
     args = ap.parse_args(argv)
+    if args.stale:
+        stale = stale_records()
+        for record, commit, why in stale:
+            print(f"{record:<40} {commit[:7]}  {why}")
+        print(f"{len(stale)} record(s) measured on other code than HEAD's")
+        return 1 if stale else 0
     names = list(SUBSETS) if "all" in args.subsets else args.subsets
     unknown = [n for n in names if n not in SUBSETS]
     if unknown:

@@ -123,3 +123,20 @@ def test_quantized_records_pair_with_the_float_trials_they_share():
     bb = {"records": [{"context": 2048, "per_window": [1.0, 1.0, 5.0]}]}
     (row,) = rt.paired_bpb(bq, bb)
     assert row["n"] == 2 and row["rel"] == pytest.approx(0.05) and row["base"] == 1.0
+
+
+def test_stale_check_tells_code_changes_from_none():
+    """`results.py --stale`: a record measured at HEAD is current, one measured at the first commit is
+    not, and a commit this clone lacks is said to be missing, not taken as current."""
+    if _git("rev-parse", "--is-shallow-repository").stdout.strip() != "false":
+        pytest.skip("not a full git checkout: older commits are not here")
+    spec = importlib.util.spec_from_file_location("results", os.path.join(ROOT, "experiments", "results.py"))
+    mod = importlib.util.module_from_spec(spec)
+    import sys
+    sys.modules.setdefault("results", mod)  # dataclasses look the module up
+    spec.loader.exec_module(mod)
+    head = _git("rev-parse", "HEAD").stdout.strip()
+    first = _git("rev-list", "--max-parents=0", "HEAD").stdout.split()[0]
+    assert mod._changed_since(head) == 0
+    assert mod._changed_since(first) > 0
+    assert mod._changed_since("f" * 40) == -1 and mod._changed_since("") == -1

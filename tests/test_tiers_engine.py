@@ -17,6 +17,11 @@ from gemini_jax.testing import random_model, random_prompts, tiny_config
 
 BUDGETS = (1.0, 0.5, 0.25, 0.1)
 DEPTHS = (0, 1, 2, 4)
+# CI runs the cells the assertions below read (all resident; 10 % with prefetch off and on) and one
+# between; `make test-slow` runs every budget x depth.
+CORNERS = ((1.0, 0), (0.25, 2), (0.1, 0), (0.1, 2))
+GRIDS = [pytest.param(tuple((f, d) for f in BUDGETS for d in DEPTHS), marks=pytest.mark.slow, id="every"),
+         pytest.param(CORNERS, id="corners")]
 GREEDY = SamplingParams(max_new_tokens=20, temperature=0.0)
 
 
@@ -43,20 +48,20 @@ def case(request):
     return model, sparse, prompts, ref
 
 
-def test_budgets_and_prefetch_depths_keep_the_numbers(case):
+@pytest.mark.parametrize("grid", GRIDS)
+def test_budgets_and_prefetch_depths_keep_the_numbers(case, grid):
     model, sparse, prompts, ref = case
     fetched = {}
-    for frac in BUDGETS:
-        for depth in DEPTHS:
-            tier = TierConfig(enabled=True, device_fraction=frac, prefetch_depth=depth, hot_threshold=0)
-            with gj.Engine(model, EngineConfig(**_base(sparse), tier=tier)) as eng:
-                out = eng.generate(prompts, GREEDY, return_logits=True)
-            where = f"device_fraction={frac}, prefetch_depth={depth}, seed={CASE_SEED}"
-            assert out.tokens == ref.tokens, where
-            for a, b in zip(out.logits, ref.logits):
-                # The layer-by-layer program rounds differently from the scanned one (f32 ulps).
-                np.testing.assert_allclose(a, b, atol=1e-5, rtol=0, err_msg=where)
-            fetched[frac, depth] = {**out.stats, "fused": eng.tier_stats()["fused_decode_steps"]}
+    for frac, depth in grid:
+        tier = TierConfig(enabled=True, device_fraction=frac, prefetch_depth=depth, hot_threshold=0)
+        with gj.Engine(model, EngineConfig(**_base(sparse), tier=tier)) as eng:
+            out = eng.generate(prompts, GREEDY, return_logits=True)
+        where = f"device_fraction={frac}, prefetch_depth={depth}, seed={CASE_SEED}"
+        assert out.tokens == ref.tokens, where
+        for a, b in zip(out.logits, ref.logits):
+            # The layer-by-layer program rounds differently from the scanned one (f32 ulps).
+            np.testing.assert_allclose(a, b, atol=1e-5, rtol=0, err_msg=where)
+        fetched[frac, depth] = {**out.stats, "fused": eng.tier_stats()["fused_decode_steps"]}
     # Sparse decode steps run as one device program where one layer's selection fits the slots.
     if sparse:
         assert fetched[1.0, 0]["fused"] > 0
@@ -231,11 +236,17 @@ def _fused_base(**sparse):
     return dict(max_seq_len=512, max_batch=1, prefill_chunk=32, cache=CacheConfig(block_size=8), sparse=sp)
 
 
+# The layer-by-layer path at depth 0 is the budgets test's; CI compares it here at depth 2 only.
+FUSED_PLANS = [pytest.param(((0, True), (2, True), (0, False), (2, False)), marks=pytest.mark.slow, id="every"),
+               pytest.param(((0, True), (2, True), (2, False)), id="ci")]
+
+
+@pytest.mark.parametrize("plan", FUSED_PLANS)
 @pytest.mark.parametrize("family, positions, distance", [("gemma2", "true", 0),
                                                         # compact at distance 0 over tiers: the test above
                                                         pytest.param("llama", "compact", 0, marks=pytest.mark.slow),
                                                         ("llama", "compact", 40)])
-def test_fused_decode_steps_bring_missing_pages_exactly(family, positions, distance):
+def test_fused_decode_steps_bring_missing_pages_exactly(family, positions, distance, plan):
     """Decode steps as one device program (tier.fused_decode): pages missing from the slots are
     brought in by the program's host callback, and the numbers are the all-resident ones — and
     the layer-by-layer path's — for prefetch depths 0 and 2 (gemma2: sliding windows, soft caps)."""
@@ -245,18 +256,17 @@ def test_fused_decode_steps_bring_missing_pages_exactly(family, positions, dista
     prompts = random_prompts(rng, cfg.vocab_size, [int(rng.integers(330, 420))])
     base = _fused_base(positions=positions, score_distance=distance)
     ref = gj.Engine(model, EngineConfig(**base)).generate(prompts, GREEDY, return_logits=True)
-    for depth in (0, 2):
-        for fused in (True, False):
-            tier = TierConfig(enabled=True, device_pages=24, prefetch_depth=depth, hot_threshold=0, fused_decode=fused)
-            with gj.Engine(model, EngineConfig(**base, tier=tier)) as eng:
-                out = eng.generate(prompts, GREEDY, return_logits=True)
-                ts = eng.tier_stats()
-            where = f"depth={depth}, fused={fused}"
-            assert out.tokens == ref.tokens, where
-            np.testing.assert_allclose(out.logits[0], ref.logits[0], atol=1e-5, rtol=0, err_msg=where)
-            # Every decode step ran as one program (one layer's selection fits the 24 slots).
-            assert ts["fused_decode_steps"] == (out.stats["decode_steps"] if fused else 0), where
-            assert out.stats["pages_fetched_host"] > 0 and ts["device_evictions"] > 0, where
+    for depth, fused in plan:
+        tier = TierConfig(enabled=True, device_pages=24, prefetch_depth=depth, hot_threshold=0, fused_decode=fused)
+        with gj.Engine(model, EngineConfig(**base, tier=tier)) as eng:
+            out = eng.generate(prompts, GREEDY, return_logits=True)
+            ts = eng.tier_stats()
+        where = f"depth={depth}, fused={fused}"
+        assert out.tokens == ref.tokens, where
+        np.testing.assert_allclose(out.logits[0], ref.logits[0], atol=1e-5, rtol=0, err_msg=where)
+        # Every decode step ran as one program (one layer's selection fits the 24 slots).
+        assert ts["fused_decode_steps"] == (out.stats["decode_steps"] if fused else 0), where
+        assert out.stats["pages_fetched_host"] > 0 and ts["device_evictions"] > 0, where
 
 
 def test_fused_decode_raises_integrity_error_for_a_corrupt_page(tmp_path):
