@@ -196,6 +196,33 @@ def run_perplexity(cfg, model, tok, desc):
     return {"stats": dict(eng.stats), **result}
 
 
+def run_ruler(cfg, model, tok, desc):
+    from gemini_jax.eval.ruler import ruler
+
+    ex = cfg.experiment
+    lengths = [int(x) for x in ex.lengths]
+    eng = gj.Engine(model, _engine_for(cfg, max(lengths) + 128, model))  # + the longest answer
+    draw = Draw(str(ex.split), int(cfg.seed))
+    hay = _haystack(ex.haystack)
+    results = [ruler(eng, str(t), lengths, trials=int(ex.trials), haystack=hay, draw=draw,
+                     batch=int(ex.batch), kind=str(ex.kind)) for t in ex.tasks]
+    rows = [{"task": r.task, **row} for r in results for row in r.by_length()]
+    result = make_record("ruler", StudyResult(
+        name=ex.out_name, records=[{"task": r.task, **x} for r in results for x in r.records],
+        split=draw.split, seeds=[draw.seed],
+        extra={"by_task_length": rows, "model": desc, "engine": OmegaConf.to_container(cfg.engine)}),
+        command=job_command(), config=OmegaConf.to_container(ex, resolve=True))
+    md = (f"### RULER-style tasks ({desc}; {draw.split} trials, {ex.kind} keys)\n\n"
+          "Exact match with its 95% Wilson interval; recall: the share of expected answers named.\n\n"
+          "| task | length | exact | 95% interval | recall |\n|---|---|---|---|---|\n"
+          + "".join(f"| {r['task']} | {r['length']} | {r['hits']}/{r['trials']} | "
+                    f"[{100 * r['ci95'][0]:.1f}, {100 * r['ci95'][1]:.1f}]% | {r['recall']:.2f} |\n" for r in rows))
+    paths = write_record(os.path.join(ROOT, cfg.results_dir), result, md)
+    print(md, end="")
+    print(f"{'written':<28}{paths['md']}")
+    return {"stats": dict(eng.stats), "by_task_length": rows}
+
+
 def run_fullstack(cfg, model, tok, desc):
     """Needle in a long context through paged + sparse + tiered; then interrupt, snapshot, resume."""
     import shutil
@@ -381,7 +408,7 @@ def run_study(cfg) -> dict:
 
 
 EXPERIMENTS = {"generate": run_generate, "needle": run_needle, "perplexity": run_perplexity,
-               "fullstack": run_fullstack}
+               "fullstack": run_fullstack, "ruler": run_ruler}
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="config")

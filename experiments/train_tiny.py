@@ -26,8 +26,9 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from gemini_jax.config import ModelConfig
+from gemini_jax.errors import ConfigError
 from gemini_jax.hydra_schema import build, register
-from gemini_jax.data import corpus, tasks
+from gemini_jax.data import corpus, ruler, tasks
 from gemini_jax.model import Decoder
 
 register()
@@ -46,9 +47,13 @@ def make_batch(text, stage, mix, answer_weight, rng):
     n_needle = int(round(B * mix["needle"]))
     n_multi = int(round(B * mix.get("needle_multi", 0.0)))
     n_repeat = int(round(B * mix["repeat"]))
+    n_ruler = int(round(B * mix.get("ruler", 0.0)))
     toks, weights = [], []
     for i in range(B):
-        if i < n_needle:
+        if i >= B - n_ruler:  # the RULER-style tasks, one drawn per example (gemini_jax.data.ruler)
+            t, w = ruler.training_example(ruler.TASKS[int(rng.integers(0, len(ruler.TASKS)))], text, T, rng,
+                                          answer_weight)
+        elif i < n_needle:
             t, w = tasks.needle_training_example(text, T, rng, answer_weight)
         elif i < n_needle + n_multi:
             t, w = tasks.multi_needle_training_example(text, T, rng, answer_weight, questions=max(1, T // 256))
@@ -59,6 +64,13 @@ def make_batch(text, stage, mix, answer_weight, rng):
         toks.append(t)
         weights.append(w)
     return np.stack(toks), np.stack(weights)
+
+
+RULER_MIN_LEN = 768  # cwe's 3 x 8 listed words and its question need about this much beside the answer
+
+
+def mix_needs_length(mix) -> int:
+    return RULER_MIN_LEN if float(mix.get("ruler", 0.0)) > 0 else 0
 
 
 def needle_accuracy(graphdef, params, text, seq_len, trials, rng):
@@ -109,7 +121,21 @@ def main(cfg: DictConfig) -> None:
     total = int(cfg.max_steps or stages[-1]["until"])
     ckpt_dir = os.path.abspath(os.path.join(ROOT, cfg.ckpt_dir) if not os.path.isabs(cfg.ckpt_dir) else cfg.ckpt_dir)
 
+    if mix_needs_length(cfg.mix) > min(int(s["seq_len"]) for s in stages):
+        raise ConfigError(f"mix.ruler > 0 needs every stage's seq_len >= {RULER_MIN_LEN} (the shortest prompt "
+                          "every RULER-style task fits); raise the stages' seq_len or set mix.ruler=0.")
     model = Decoder(mcfg, rngs=nnx.Rngs(cfg.seed))
+    if cfg.get("init_from"):
+        # Start from a saved model's weights (e.g. the shipped one) with a fresh optimizer: a new
+        # curriculum on top of what it learnt, not a resume (that is ckpt_dir's job).
+        from gemini_jax.weights import load_safetensors
+
+        start = load_safetensors(os.path.join(ROOT, cfg.init_from) if not os.path.isabs(cfg.init_from)
+                                 else cfg.init_from)
+        if start.cfg != mcfg:
+            raise ConfigError(f"init_from={cfg.init_from!r} holds a {start.cfg.family} model whose config differs "
+                              "from model=...; train the architecture it was saved with.")
+        model = start
     graphdef, params = nnx.split(model, nnx.Param)
     opt, schedule = make_optimizer(cfg, stages)
     opt_state = opt.init(params)

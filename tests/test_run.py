@@ -57,3 +57,26 @@ def test_distributed_entry_with_mesh_over_tiers(tmp_path):
     assert sorted(os.listdir(tmp_path / "kv")) == ["shard0of2", "shard1of2"]
     res = json.loads((tmp_path / "run" / "result.json").read_text())
     assert res["stats"]["decode_steps"] > 0
+
+
+def test_ruler_job_writes_a_record_whose_verdicts_follow_from_its_answers(tmp_path):
+    """experiment=ruler on the shipped model, two tasks at 512 tokens: the record carries its
+    provenance, one row per task x length, and every trial's verdict is the scoring of its text."""
+    import numpy as np
+
+    from gemini_jax.data import ruler
+
+    cmd = [sys.executable, os.path.join(ROOT, "experiments", "run.py"), "experiment=ruler",
+           "experiment.tasks=[niah_single,fwe]", "experiment.lengths=[512]", "experiment.trials=2",
+           "experiment.batch=2", "experiment.split=test", "seed=5", f"hydra.run.dir={tmp_path / 'run'}",
+           f"wandb.dir={tmp_path / 'wandb'}", f"results_dir={tmp_path / 'results'}"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=sandbox_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rec = json.loads((tmp_path / "results" / "ruler" / "ruler.json").read_text())
+    assert rec["split"] == "test" and rec["seeds"] == [5] and rec["command"].startswith("python experiments/run.py")
+    assert [(r["task"], r["length"], r["trials"]) for r in rec["by_task_length"]] == [("niah_single", 512, 2),
+                                                                                      ("fwe", 512, 2)]
+    for r in rec["records"]:
+        ex = ruler.RulerExample(r["task"], np.zeros(1, np.int32), tuple(r["answers"]), r["task"] != "fwe")
+        assert (r["exact"], r["recall"]) == ruler.score(r["generated"], ex), r
+    assert "| niah_single | 512 |" in proc.stdout
