@@ -106,9 +106,9 @@ SUBSETS["kv_quant"] = [*_quant("int8", "int8"), *_quant("float8_e4m3fn", "fp8"),
                            6, script="bench.py")]
 # A sample of each needle / bits-per-byte record rerun at the current commit, trial by trial
 # (experiments/reproduce.py): minutes instead of the hours a full rerun of those subsets takes.
-# The quantized records are sampled more thinly (5 trials, 2 windows per context): they hold fewer.
-_REPRODUCED = [(j, 10 if j.record.startswith("needle/") else 2) for j in (*SUBSETS["needle"], *SUBSETS["bpb"])]
-_REPRODUCED += [(j, 5 if j.record.startswith("needle/") else 2) for j in SUBSETS["kv_quant"]
+# 6 needle trials per record, 2 windows per context; the quantized records (which hold fewer) 4 and 1.
+_REPRODUCED = [(j, 6 if j.record.startswith("needle/") else 2) for j in (*SUBSETS["needle"], *SUBSETS["bpb"])]
+_REPRODUCED += [(j, 4 if j.record.startswith("needle/") else 1) for j in SUBSETS["kv_quant"]
                 if j.script == "run.py"]
 SUBSETS["reproduce"] = [
     Job(f"reproduce/{j.record.replace('/', '_')}", (j.record, "--sample", str(n)),
