@@ -115,7 +115,7 @@ def _plant(text: np.ndarray, hay_len: int, pieces: list[bytes], rng, spots: list
         spots = sorted(int(rng.integers(0, hay_len + 1)) for _ in pieces)
     out, prev = [], 0
     for at, piece in zip(spots, pieces):
-        at = min(max(tasks._snap_to_line(hay, at), prev), hay_len)
+        at = min(max(tasks.snap_to_line(hay, at), prev), hay_len)
         out += [hay[prev:at].tobytes(), piece]
         prev = at
     out.append(hay[prev:].tobytes())
@@ -134,7 +134,7 @@ def niah(text: np.ndarray, length: int, rng: np.random.Generator, *, keys: int =
     keyset: set = set()
     per_name = {n: _distinct(lambda: random_key(rng, kind), values if i == 0 else 1, keyset)
                 for i, n in enumerate(names)}
-    lines = [(n, NEEDLE.format(of=tasks._of(n), key=k).encode()) for n in names for k in per_name[n]]
+    lines = [(n, NEEDLE.format(of=tasks.name_clause(n), key=k).encode()) for n in names for k in per_name[n]]
     order = [int(i) for i in rng.permutation(len(lines))]
     lines = [lines[i] for i in order]
     if queries > 1:
@@ -143,10 +143,10 @@ def niah(text: np.ndarray, length: int, rng: np.random.Generator, *, keys: int =
         question = ASK_MANY.format(names=names_text).encode()
         answers, ordered = [per_name[n][0] for n in asked], True
     elif values > 1:
-        question = ASK_ALL.format(of=tasks._of(names[0])).encode()
+        question = ASK_ALL.format(of=tasks.name_clause(names[0])).encode()
         answers, ordered = per_name[names[0]], False
     else:
-        question = ASK_ONE.format(of=tasks._of(names[0])).encode()
+        question = ASK_ONE.format(of=tasks.name_clause(names[0])).encode()
         answers, ordered = per_name[names[0]], True
     pieces = [p for _, p in lines]
     body = _plant(text, _room(length, question, *pieces), pieces, rng) + question

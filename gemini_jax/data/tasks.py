@@ -25,7 +25,7 @@ QUESTION = "\n# What is the pass key{of}? The pass key{of} is " + MARK
 KEY_DIGITS = 5
 
 
-def _of(name: str | None) -> str:
+def name_clause(name: str | None) -> str:
     return f" of {name}" if name else ""
 
 
@@ -58,7 +58,7 @@ class NeedleExample:
     needle_at: int  # token index where the asked-for needle starts
 
 
-def _snap_to_line(hay: np.ndarray, at: int, limit: int = 200) -> int:
+def snap_to_line(hay: np.ndarray, at: int, limit: int = 200) -> int:
     """Move an insertion point forward to just after a newline, if one is near."""
     nl = np.flatnonzero(hay[at:at + limit] == ord("\n"))
     return at + int(nl[0]) + 1 if len(nl) else at
@@ -73,8 +73,8 @@ def needle_example(text: np.ndarray, length: int, depth: float, rng: np.random.G
     """
     key = key or random_key(rng)
     name = random_name(rng) if distractors else None
-    needle = NEEDLE.format(of=_of(name), key=key).encode()
-    question = QUESTION.format(of=_of(name)).encode()
+    needle = NEEDLE.format(of=name_clause(name), key=key).encode()
+    question = QUESTION.format(of=name_clause(name)).encode()
     others = []
     used = {name}
     for _ in range(distractors):
@@ -82,14 +82,14 @@ def needle_example(text: np.ndarray, length: int, depth: float, rng: np.random.G
         while other in used:
             other = random_name(rng)
         used.add(other)
-        others.append(NEEDLE.format(of=_of(other), key=random_key(rng)).encode())
+        others.append(NEEDLE.format(of=name_clause(other), key=random_key(rng)).encode())
     hay_len = length - 1 - len(needle) - len(question) - sum(len(o) for o in others)
     if hay_len < 0:
         raise ValueError(f"length={length} is too short for a needle example.")
     hay = text_window(text, hay_len, rng)
-    pieces = [(min(hay_len, _snap_to_line(hay, int(depth * hay_len))), needle, True)]
+    pieces = [(min(hay_len, snap_to_line(hay, int(depth * hay_len))), needle, True)]
     for o in others:
-        pieces.append((_snap_to_line(hay, int(rng.integers(0, hay_len + 1))), o, False))
+        pieces.append((snap_to_line(hay, int(rng.integers(0, hay_len + 1))), o, False))
     pieces.sort(key=lambda p: p[0])
     out, prev, needle_at = [], 0, 0
     for at, piece, is_target in pieces:
@@ -152,11 +152,11 @@ def multi_needle_training_example(text: np.ndarray, length: int, rng: np.random.
             used.add(n)
             names.append(n)
     keys = [random_key(rng) for _ in names]
-    needles = [NEEDLE.format(of=_of(n), key=k).encode() for n, k in zip(names, keys)]
+    needles = [NEEDLE.format(of=name_clause(n), key=k).encode() for n, k in zip(names, keys)]
     asked = [int(i) for i in rng.permutation(len(names))[:questions]]
     tail, answer_at = [], []
     for i in asked:
-        q = QUESTION.format(of=_of(names[i])).encode()
+        q = QUESTION.format(of=name_clause(names[i])).encode()
         start = sum(len(x) for x in tail) + len(q)
         answer_at.append(start)
         tail.append(q + keys[i].encode() + b".")
@@ -165,7 +165,7 @@ def multi_needle_training_example(text: np.ndarray, length: int, rng: np.random.
     if hay_len < 16:
         raise ValueError(f"length={length} is too short for {questions} questions.")
     hay = text_window(text, hay_len, rng)
-    spots = sorted(_snap_to_line(hay, int(rng.integers(0, hay_len + 1))) for _ in needles)
+    spots = sorted(snap_to_line(hay, int(rng.integers(0, hay_len + 1))) for _ in needles)
     out, prev = [], 0
     for at, piece in zip(spots, needles):
         at = min(max(at, prev), hay_len)
