@@ -421,7 +421,9 @@ def reproduce_block(results_dir: str) -> str:
         same = f"{o['equal']}/{o['checked']} {'✓' if o['equal'] == o['checked'] else '✗'}"
         if o["kind"] == "bpb":
             same += f" (max abs diff {o['max_abs_diff']:.1e} bits/byte, tolerance {o['tolerance']:.0e})"
-        what = "trials" if o["kind"] == "needle" else f"windows ({rec['config']['sample']} per context)"
+        what = ("trials" if o["kind"] == "needle" else
+                f"windows (the scoring batches of {rec['config']['sample']} per context)" if o.get("batches")
+                else f"windows ({rec['config']['sample']} per context, each alone)")
         rows.append(f"| {_link(source)} | `{rec['source_commit'][:7]}` | `{rec['commit'][:7]}` | {o['checked']} {what} | "
                     f"{same} | {_link(job.record)} |")
     return "\n".join(rows + ["", f"Commit(s) the reruns came from: {_commits(loaded)}."])

@@ -225,10 +225,11 @@ def test_a_record_reruns_trial_by_trial_and_a_changed_figure_is_caught():
     rows = [perplexity(eng, c, windows=3, scored=16, draw=draw) for c in (96, 200)]
     bpb = {"name": "b", "split": "test", "seeds": [seed], "records": rows}
     out = reproduce.rerun_bpb(eng, bpb, 2)
-    assert (out["checked"], out["equal"]) == (4, 4) and out["max_abs_diff"] <= reproduce.BPB_TOL, f"seed={seed}"
+    # windows 0 and 2 are sampled; the 3 windows were scored as one batch (max_batch 4): all rerun
+    assert (out["checked"], out["equal"]) == (6, 6) and out["max_abs_diff"] <= reproduce.BPB_TOL, f"seed={seed}"
     rows[1]["per_window"][2] += 10 * reproduce.BPB_TOL
     out = reproduce.rerun_bpb(eng, bpb, 2)
-    assert out["equal"] == 3 and [(r["context"], r["window"]) for r in out["rows"] if not r["equal"]] == [(200, 2)]
+    assert out["equal"] == 5 and [(r["context"], r["window"]) for r in out["rows"] if not r["equal"]] == [(200, 2)]
 
     with pytest.raises(gj.errors.ConfigError, match="only records of the shipped"):
         reproduce.engine_for({"name": "x", "model": "RANDOMLY INITIALISED model", "engine": {}}, 128)
