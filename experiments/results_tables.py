@@ -422,7 +422,7 @@ def reproduce_block(results_dir: str) -> str:
         if o["kind"] == "bpb":
             same += f" (max abs diff {o['max_abs_diff']:.1e} bits/byte, tolerance {o['tolerance']:.0e})"
         what = ("trials" if o["kind"] == "needle" else
-                f"windows (the scoring batches of {rec['config']['sample']} per context)" if o.get("batches")
+                f"windows ({rec['config']['sample']} sampled per context, each with its scoring batch)" if o.get("batches")
                 else f"windows ({rec['config']['sample']} per context, each alone)")
         rows.append(f"| {_link(source)} | `{rec['source_commit'][:7]}` | `{rec['commit'][:7]}` | {o['checked']} {what} | "
                     f"{same} | {_link(job.record)} |")
