@@ -204,6 +204,7 @@ class CacheConfig:
 
 DIGEST_KINDS = ("minmax", "mean")
 GROUP_REDUCE = ("max", "mean")
+BUDGET_MODES = ("fixed", "topp")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -240,6 +241,11 @@ class SparseConfig:
     largest q.k over the page's keys, the same queries, heads and distance as the digest scores)
     pick the pages to attend. Digest bounds are loose; exact scores are not, at the price of reading
     the candidates' keys (counted in `kv_bytes_read`). Paged cache only (not over tiers).
+    `budget_mode`: "fixed" reads `budget` tokens per (sequence, kv head, layer); "topp" (adaptive,
+    Twilight-style) reads, per (sequence, kv head, layer), the best pages until their share of the
+    softmax of page scores (digest scores, or exact ones under rerank, at 1 / sqrt(head_dim))
+    reaches `top_p`, never fewer than `min_budget` tokens nor more than `budget` (sink and local
+    pages always). A peaked score distribution reads a few pages, a flat one the whole budget.
     """
 
     enabled: bool = False
@@ -256,6 +262,9 @@ class SparseConfig:
     last_token_alone: bool = True
     score_distance: int = 0
     rerank: int = 0
+    budget_mode: str = "fixed"
+    top_p: float = 0.9
+    min_budget: int = 0  # tokens (topp only); sink and local pages come on top
 
     def __post_init__(self):
         _require(self.positions in ("true", "compact"),
@@ -282,6 +291,12 @@ class SparseConfig:
         _require(isinstance(self.budget, int) and self.budget > 0, f"sparse.budget={self.budget!r} must be > 0.")
         _require(self.digest_dtype is None or self.digest_dtype in DTYPES,
                  f"sparse.digest_dtype={self.digest_dtype!r} must be None or one of {DTYPES}.")
+        _require(self.budget_mode in BUDGET_MODES,
+                 f"sparse.budget_mode={self.budget_mode!r} must be one of {BUDGET_MODES}.")
+        _require(isinstance(self.top_p, (int, float)) and not isinstance(self.top_p, bool) and 0 < self.top_p <= 1,
+                 f"sparse.top_p={self.top_p!r} must be in (0, 1] (the share of score mass the pages read cover).")
+        _require(_is_int(self.min_budget) and 0 <= self.min_budget <= self.budget,
+                 f"sparse.min_budget={self.min_budget!r} must be an integer in [0, sparse.budget={self.budget}].")
 
 
 # ---- tiers below the device pool (gemini_jax.tiers) ------------------------------------------

@@ -7,6 +7,7 @@ import pytest
 import gemini_jax as gj
 from gemini_jax.attention import page_scores, select_pages
 from gemini_jax.attention.digests import page_digest
+from gemini_jax.attention.select import MassCut, kept_pages, rank_pages, within_mass
 from gemini_jax.attention.views import PageView, Selection
 from gemini_jax.errors import ConfigError
 from gemini_jax.testing import FAMILIES, random_model, random_prompts, tiny_config
@@ -117,7 +118,66 @@ def test_selection_is_exact_top_k():
                     assert set(sel) <= set(forced)
 
 
+def test_top_p_selection_is_the_brute_force_mass_cut():
+    """budget_mode=topp: of the top k, the forced pages, the first min_k, and each page preceded by
+    less than top_p of the free pages' softmax mass (all free pages' mass, at `scale`)."""
+    rng = np.random.default_rng(6)
+    S = 8
+    for trial in range(30):
+        B, K, W = 2, 2, int(rng.integers(6, 40))
+        # Peaked rows (a few large scores) and flat ones, so both ends of the cut are exercised.
+        scores = (rng.normal(size=(B, K, W)) * rng.choice([0.1, 1.0, 8.0], size=(B, K, 1))).astype(np.float32)
+        last = rng.integers(W * S // 2, W * S, B)
+        k, sink, local = int(rng.integers(3, 16)), int(rng.integers(0, 2)), int(rng.integers(1, 3))
+        p, min_k, scale = float(rng.choice([0.3, 0.7, 0.9])), int(rng.integers(0, 3)), float(rng.choice([0.5, 2.0]))
+        s, top_s, top_i = rank_pages(jnp.asarray(scores), jnp.asarray(last), jnp.asarray(last), block_size=S, k=k,
+                                     sink_pages=sink, local_pages=local)
+        got = np.asarray(kept_pages(top_i, within_mass(s, top_s, MassCut(p, min_k, scale)), W))
+        for b in range(B):
+            lp = last[b] // S
+            for h in range(K):
+                valid = list(range(lp + 1))
+                forced = [w for w in valid if w < sink or w >= lp - local + 1]
+                free = sorted((w for w in valid if w not in forced), key=lambda w: -scores[b, h, w])
+                e = np.exp(scale * (scores[b, h, free] - scores[b, h, free].max())) if free else np.zeros(0)
+                ranked = (forced + free)[:min(k, W)]
+                keep = []
+                for col, w in enumerate(ranked):
+                    before = e[:free.index(w)].sum() if w in free else 0.0
+                    if w in forced or col < min_k or before < p * e.sum():
+                        keep.append(w)
+                sel = [int(x) for x in got[b, h] if x >= 0]
+                assert sel == sorted(keep), (trial, b, h, p, min_k, sel, sorted(keep))
+
+
+def test_top_p_one_is_the_fixed_budget_and_a_lower_p_reads_less():
+    """top_p=1 selects exactly what the fixed budget selects (the same tokens and logits); a low p
+    on the same prompt reads fewer pages, counted in pages_selected and kv_bytes_read."""
+    seed = 9
+    rng = np.random.default_rng(seed)
+    cfg = tiny_config("llama")
+    model = random_model(cfg, seed)
+    prompt = random_prompts(rng, cfg.vocab_size, (150,))[0]
+    params = gj.SamplingParams(max_new_tokens=6, stop_at_eos=False)
+    base = dict(enabled=True, budget=64, sink_pages=1, local_pages=2)
+    fixed = _engine(model, base).generate(prompt, params, return_logits=True)
+    one = _engine(model, dict(base, budget_mode="topp", top_p=1.0)).generate(prompt, params, return_logits=True)
+    assert one.tokens == fixed.tokens, f"seed={seed}"
+    np.testing.assert_allclose(one.logits[0], fixed.logits[0], atol=1e-6, rtol=0, err_msg=f"seed={seed}")
+    assert one.stats["pages_selected"] == fixed.stats["pages_selected"]
+    low = _engine(model, dict(base, budget_mode="topp", top_p=0.3)).generate(prompt, params)
+    assert low.stats["pages_selected"] < fixed.stats["pages_selected"], (seed, low.stats, fixed.stats)
+    assert low.stats["kv_bytes_read"] < fixed.stats["kv_bytes_read"]
+    # Sink and local pages are always read: 3 of them per (step, layer, kv head) at the least.
+    assert low.stats["pages_selected"] >= 6 * cfg.num_layers * cfg.num_kv_heads * 3
+
+
 @pytest.mark.parametrize("sparse,match", [
+    (dict(enabled=True, budget_mode="topk"), "budget_mode"),
+    (dict(enabled=True, budget_mode="topp", top_p=0.0), "top_p"),
+    (dict(enabled=True, budget_mode="topp", top_p=1.5), "top_p"),
+    (dict(enabled=True, budget_mode="topp", top_p=True), "top_p"),
+    (dict(enabled=True, budget=256, budget_mode="topp", min_budget=512), "min_budget"),
     (dict(enabled=True, budget=8), "sparse.budget"),
     (dict(enabled=True, digest="pca"), "sparse.digest"),
     (dict(enabled=True, budget=100_000), "top-k"),

@@ -7,6 +7,7 @@ the format `pallas_kernels.sparse_decode` takes.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -37,15 +38,10 @@ def page_scores(kind: str, q, dig, group_reduce: str = "max"):
     return jnp.max(s, axis=2) if group_reduce == "max" else jnp.mean(s, axis=2)
 
 
-def select_pages(scores, first_pos, last_pos, *, block_size: int, k: int, sink_pages: int,
-                 local_pages: int, window=0):
-    """Top-k logical pages per (b, kv head) -> i32[B, K, k] ascending, -1 padded.
-
-    scores f32[B, K, W]; first_pos/last_pos i32[B]: positions of the call's first and last query.
-    Pages past the last query are never chosen; pages wholly outside a sliding `window` are
-    never chosen; sink pages, the `local_pages` ending at the first query's page and the pages
-    of the call's own queries are forced.
-    """
+def rank_pages(scores, first_pos, last_pos, *, block_size: int, k: int, sink_pages: int,
+               local_pages: int, window=0):
+    """The top-k ranking `select_pages` cuts: (s f32[B, K, W], the scores with forced pages at inf
+    and unselectable ones at -inf; top_s, top_i [B, K, min(k, W)], descending)."""
     B, K, W = scores.shape
     w = jnp.arange(W)[None, None, :]
     last_page = (last_pos // block_size)[:, None, None]
@@ -58,11 +54,59 @@ def select_pages(scores, first_pos, last_pos, *, block_size: int, k: int, sink_p
     forced = (w < sink_pages) | (w >= first_page - local_pages + 1)
     s = jnp.where(forced, jnp.inf, scores)
     s = jnp.where(valid, s, NEG)
-    k = min(k, W)
-    top_s, top_i = jax.lax.top_k(s, k)
-    chosen = jnp.where(top_s > NEG, top_i, W + 1)  # invalid sorts last
-    chosen = jnp.sort(chosen, axis=-1)
+    top_s, top_i = jax.lax.top_k(s, min(k, W))
+    return s, top_s, top_i
+
+
+def kept_pages(top_i, keep, W: int):
+    """The kept columns of a ranking as ascending logical ids, -1 padded -> i32[B, K, k]."""
+    chosen = jnp.sort(jnp.where(keep, top_i, W + 1), axis=-1)  # dropped ones sort last
     return jnp.where(chosen > W, -1, chosen).astype(jnp.int32)
+
+
+def select_pages(scores, first_pos, last_pos, *, block_size: int, k: int, sink_pages: int,
+                 local_pages: int, window=0):
+    """Top-k logical pages per (b, kv head) -> i32[B, K, k] ascending, -1 padded.
+
+    scores f32[B, K, W]; first_pos/last_pos i32[B]: positions of the call's first and last query.
+    Pages past the last query are never chosen; pages wholly outside a sliding `window` are
+    never chosen; sink pages, the `local_pages` ending at the first query's page and the pages
+    of the call's own queries are forced.
+    """
+    _, top_s, top_i = rank_pages(scores, first_pos, last_pos, block_size=block_size, k=k, sink_pages=sink_pages,
+                                 local_pages=local_pages, window=window)
+    return kept_pages(top_i, top_s > NEG, scores.shape[-1])
+
+
+@dataclasses.dataclass(frozen=True)
+class MassCut:
+    """The adaptive budget (`sparse.budget_mode="topp"`): keep ranked pages until `top_p` of the
+    softmax (at `scale`) of the free pages' scores is covered, the first `min_k` in any case."""
+
+    top_p: float
+    min_k: int = 0
+    scale: float = 1.0
+
+
+def within_mass(s, top_s, cut: MassCut):
+    """bool[B, K, k] over a ranking's columns (descending): forced (score inf), among the first
+    `cut.min_k`, or preceded by less than `cut.top_p` of the free pages' softmax mass. The mass is
+    over every free page of the row (s [B, K, W]), not just the top k, so a flat distribution
+    keeps the whole k while a peaked one keeps a few. top_p = 1 keeps the whole k (pages whose
+    mass underflows included)."""
+    if cut.top_p >= 1:
+        return top_s > NEG
+    free_all = jnp.isfinite(s)
+    z = jnp.where(free_all, s * cut.scale, NEG)
+    m = jnp.max(z, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    total = jnp.sum(jnp.where(free_all, jnp.exp(z - m), 0.0), axis=-1, keepdims=True)
+    free = jnp.isfinite(top_s)
+    e = jnp.where(free, jnp.exp(top_s * cut.scale - m), 0.0)
+    before = jnp.cumsum(e, axis=-1) - e  # mass of the free pages ranked above each column
+    col = jnp.arange(top_s.shape[-1])
+    kept = (top_s == jnp.inf) | (col < cut.min_k) | (before < cut.top_p * total)
+    return kept & (top_s > NEG)
 
 
 def scoring_queries(q, q_pos, lengths, score_queries: int):
@@ -131,14 +175,21 @@ def select_step(sp, digests_layer, queries, view: PageView, *, block_size: int, 
         q_score = rotate(q_score.astype(jnp.float32), cos[:, :, None], sin[:, :, None])
     scores = page_scores(sp.digest, q_score, jnp.swapaxes(dig, 0, 1), sp.group_reduce)
     k = sp.budget // block_size + (0 if T == 1 else T // block_size + 1)
-    pick = functools.partial(select_pages, first_pos=q_pos[:, 0], last_pos=q_pos[:, -1], block_size=block_size,
+    rank = functools.partial(rank_pages, first_pos=q_pos[:, 0], last_pos=q_pos[:, -1], block_size=block_size,
                              sink_pages=sp.sink_pages, local_pages=sp.local_pages, window=window)
+    # Adaptive budget: the final pick stops at top_p of the score mass (attention's 1/sqrt(D) scale).
+    cut = MassCut(sp.top_p, sp.min_budget // block_size, q.shape[-1] ** -0.5) if sp.budget_mode == "topp" else None
+
+    def pick(page_scores, k, cut=None):
+        s, top_s, top_i = rank(page_scores, k=k)
+        return kept_pages(top_i, within_mass(s, top_s, cut) if cut else top_s > NEG, page_scores.shape[-1])
+
     if not sp.rerank:
-        selected = pick(scores, k=k)
+        selected = pick(scores, k, cut)
         return (selected, selected) if with_candidates else selected
     if k_layer is None:
         raise ValueError("sparse.rerank needs the layer's key pool (k_layer)")  # a caller's bug
-    cand = pick(scores, k=k * sp.rerank)  # forced pages (score inf) are always among them
+    cand = pick(scores, k * sp.rerank)  # forced pages (score inf) are always among them
     exact = exact_page_scores(q_score, k_layer, block_tables, lengths, cand, group_reduce=sp.group_reduce,
                               unrope=inv_freq if sp.score_distance > 0 else None)
     # Back to [B, K, W]: pages that are not candidates can no longer be chosen.
@@ -146,7 +197,7 @@ def select_step(sp, digests_layer, queries, view: PageView, *, block_size: int, 
     at = jnp.where(cand >= 0, cand, W)  # W is out of range -> dropped
     full = jnp.full((B, K, W), NEG, jnp.float32)
     full = full.at[jnp.arange(B)[:, None, None], jnp.arange(K)[None, :, None], at].set(exact, mode="drop")
-    selected = pick(full, k=k)
+    selected = pick(full, k, cut)
     return (selected, cand) if with_candidates else selected
 
 
