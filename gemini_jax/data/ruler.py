@@ -215,13 +215,13 @@ def cwe(text: np.ndarray, length: int, rng: np.random.Generator, *, common: int 
     while len(words) < est and k < len(others):
         words += [others[k]] * int(rng.integers(1, freq_other + 1))
         k += 1
-    head_len = len(CWE_HEAD) + 1 + len(CWE_ASK.format(n=common))
+    room = _room(length, CWE_HEAD.encode(), CWE_ASK.format(n=common).encode())
     # Every common word must make it into the list: keep them within the first items that fit.
     fit = []
     used = 0
     for i, w in enumerate(words):
         line = f"{i + 1}. {w}\n".encode()
-        if used + len(line) > length - head_len:
+        if used + len(line) > room:
             break
         fit.append(w)
         used += len(line)
