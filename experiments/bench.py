@@ -29,7 +29,7 @@ import sys
 import time
 import traceback
 
-from gemini_jax.eval.record import git_commit
+from gemini_jax.eval.record import code_files, git_commit
 
 # benchlib sits beside this script, whose directory Python puts on sys.path.
 from benchlib.machine import describe_machine, measure_bandwidth
@@ -134,7 +134,8 @@ def main(argv=None) -> int:
         f.write("\n".join(md) + "\n")
     with open(os.path.join(args.out, "bench.json"), "w") as f:
         json.dump({"mode": "quick" if args.quick else "full", "started_utc": started.isoformat(),
-                   "seconds": total, "command": cmd.strip(), "commit": git_commit(), "config": vars(args), "split": None,
+                   "seconds": total, "command": cmd.strip(), "commit": git_commit(), "code": code_files(),
+                   "config": vars(args), "split": None,
                    "seeds": [args.seed], "machine": machine, "bandwidth": bw,
                    "rows": {n: {"about": ROWS[n].about, **results[n]} for n in args.rows}},
                   f, indent=1, default=float)

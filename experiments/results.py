@@ -117,12 +117,17 @@ SUBSETS["reproduce"] = [
     for j, n in _REPRODUCED]
 
 # What a record's figures depend on: a commit that changes none of these leaves every record valid.
+# A record that lists the files its job ran (`code`, gemini_jax.eval.record.code_files) depends on
+# those and on ALWAYS (configs, dependencies, the shipped model); an older record on all of CODE_PATHS.
 CODE_PATHS = ("gemini_jax", "conf", "experiments/*.py", "experiments/benchlib", "pyproject.toml")
+ALWAYS = ("conf", "pyproject.toml", "gemini_jax/assets")
 
 
-def _changed_since(commit: str) -> int:
-    """Files of CODE_PATHS that differ between `commit` and HEAD (-1: a commit this clone lacks)."""
-    diff = subprocess.run(["git", "diff", "--name-only", commit, "HEAD", "--", *CODE_PATHS], cwd=ROOT,
+def _changed_since(commit: str, code: list[str] | None = None) -> int:
+    """Files the record depends on (its `code` and ALWAYS; CODE_PATHS when `code` is None) that
+    differ between `commit` and HEAD (-1: a commit this clone lacks)."""
+    paths = CODE_PATHS if code is None else (*ALWAYS, *code)
+    diff = subprocess.run(["git", "diff", "--name-only", commit, "HEAD", "--", *paths], cwd=ROOT,
                           capture_output=True, text=True)
     return -1 if diff.returncode != 0 or not commit else len(diff.stdout.split())
 
@@ -135,11 +140,12 @@ def stale_records() -> list[tuple[str, str, str]]:
 
     def commit_of(job):
         with open(job.path) as fh:
-            return json.load(fh).get("commit", "")
+            rec = json.load(fh)
+        return rec.get("commit", ""), rec.get("code")
 
     reproduced = {}
     for job in SUBSETS["reproduce"]:
-        if os.path.exists(job.path) and _changed_since(commit_of(job)) == 0:
+        if os.path.exists(job.path) and _changed_since(*commit_of(job)) == 0:
             with open(job.path) as fh:
                 o = json.load(fh)["outcome"]
             reproduced[job.overrides[0]] = o["equal"] == o["checked"]
@@ -148,8 +154,8 @@ def stale_records() -> list[tuple[str, str, str]]:
         for job in jobs:
             if not os.path.exists(job.path):
                 continue
-            commit = commit_of(job)
-            n = _changed_since(commit)
+            commit, code = commit_of(job)
+            n = _changed_since(commit, code)
             if n == 0 or reproduced.get(job.record):
                 continue
             why = "commit not in this clone" if n < 0 else f"{n} code file(s) changed since"

@@ -140,3 +140,36 @@ def test_stale_check_tells_code_changes_from_none():
     assert mod._changed_since(head) == 0
     assert mod._changed_since(first) > 0
     assert mod._changed_since("f" * 40) == -1 and mod._changed_since("") == -1
+
+
+def test_stale_check_counts_only_the_code_a_record_ran():
+    """A record that lists its code is stale when one of those files changed, not when another did."""
+    if _git("rev-parse", "--is-shallow-repository").stdout.strip() != "false":
+        pytest.skip("not a full git checkout: older commits are not here")
+    spec = importlib.util.spec_from_file_location("results", os.path.join(ROOT, "experiments", "results.py"))
+    mod = importlib.util.module_from_spec(spec)
+    import sys
+    sys.modules.setdefault("results", mod)
+    spec.loader.exec_module(mod)
+    tracked = set(_git("ls-files", "gemini_jax", "experiments").stdout.split())
+    for commit in _git("rev-list", "--max-count=200", "HEAD").stdout.split():
+        if _git("diff", "--name-only", commit, "HEAD", "--", *mod.ALWAYS).stdout.strip():
+            break  # older commits differ in configs or the model too: nothing clean to compare
+        changed = [f for f in _git("diff", "--name-only", commit, "HEAD", "--", "gemini_jax").stdout.split()
+                   if f.endswith(".py") and f in tracked]
+        if changed:
+            same = sorted(f for f in tracked if f.endswith(".py") and f not in
+                          _git("diff", "--name-only", commit, "HEAD").stdout.split())[0]
+            assert mod._changed_since(commit, [same]) == 0, (commit, same)
+            assert mod._changed_since(commit, [changed[0], same]) == 1, (commit, changed[0])
+            assert mod._changed_since(commit) >= 1
+            return
+    pytest.skip("no recent commit changed gemini_jax/ alone")
+
+
+def test_a_record_lists_the_project_code_its_job_imported():
+    import gemini_jax.engine  # noqa: F401  (a job's imports)
+    from gemini_jax.eval import record
+    files = record.code_files()
+    assert "gemini_jax/eval/record.py" in files and "gemini_jax/engine.py" in files
+    assert all(f.split("/")[0] in ("gemini_jax", "experiments") and f.endswith(".py") for f in files), files

@@ -4,6 +4,9 @@ The JSON holds what it takes to reproduce and to trust a figure:
 
     {"study", "name", "date", "command", "config", "commit", "split", "seeds", "records", ...}
 
+`code` lists the checkout's files the job ran (its script and every module it imported, paths
+from the checkout's top): `experiments/results.py --stale` counts a record stale only when one of
+these, or conf/, pyproject.toml or the shipped model, changed since `commit`.
 `commit` is `git rev-parse HEAD` of the checkout the code was imported from, with "+dirty" when
 its tracked files outside `experiments/results/` have uncommitted changes (None outside a git
 checkout); `split` is the trial split, dev or test, the seeded trials were drawn from
@@ -18,6 +21,7 @@ import datetime
 import json
 import os
 import subprocess
+import sys
 from dataclasses import dataclass, field
 
 from gemini_jax import tiny
@@ -46,6 +50,22 @@ def git_commit(path: str | None = None) -> str | None:
     return head + ("+dirty" if dirty else "")
 
 
+def code_files() -> list[str]:
+    """The project's Python files this process has run: `sys.argv[0]` and every imported module
+    under `gemini_jax/` or `experiments/` of the checkout holding this package (not a virtual
+    environment inside it), as sorted paths from its top. Call it when the job's work is done, so
+    modules imported on the way are in."""
+    top = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    files = {getattr(m, "__file__", None) for m in list(sys.modules.values())} | {sys.argv[0] if sys.argv else None}
+    out = set()
+    for f in files:
+        if f and f.endswith(".py"):
+            rel = os.path.relpath(os.path.abspath(f), top)
+            if rel.split(os.sep)[0] in ("gemini_jax", "experiments"):
+                out.add(rel.replace(os.sep, "/"))
+    return sorted(out)
+
+
 def utc_now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
@@ -67,7 +87,7 @@ def make_record(study: str, result: StudyResult, *, command: str, config: dict, 
     for label, value in (("study", study), ("name", result.name)):
         if not value or os.sep in value or value.startswith("."):
             raise ConfigError(f"record {label}={value!r} must be a plain file name (no '{os.sep}', not hidden).")
-    clash = sorted(set(result.extra) & {"study", "name", "date", *REQUIRED})
+    clash = sorted(set(result.extra) & {"study", "name", "date", "code", *REQUIRED})
     if clash:
         raise ConfigError(f"record extra fields {clash} shadow the record's own keys; rename them.")
     return {"study": study, "name": result.name, **provenance(command=command, config=config, split=result.split,
@@ -80,7 +100,8 @@ def provenance(*, command: str, config: dict, split: str | None, seeds: list | N
     """The record's fields besides study, name and records: date, command, config, commit, split,
     seeds (for writers that lay out the rest of their JSON themselves, e.g. `write_needle`)."""
     out = {"date": utc_now(), "command": command, "config": config,
-           "commit": commit if commit is not None else git_commit(), "split": split, "seeds": seeds}
+           "commit": commit if commit is not None else git_commit(), "code": code_files(),
+           "split": split, "seeds": seeds}
     if split is not None:  # trials drawn from the corpus: say whether it is the model's own
         out["corpus"] = tiny.corpus_check().as_dict()
     return out
