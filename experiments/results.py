@@ -120,7 +120,8 @@ SUBSETS["reproduce"] = [
 # A record that lists the files its job ran (`code`, gemini_jax.eval.record.code_files) depends on
 # those and on ALWAYS (configs, dependencies, the shipped model); an older record on all of CODE_PATHS.
 CODE_PATHS = ("gemini_jax", "conf", "experiments/*.py", "experiments/benchlib", "pyproject.toml")
-ALWAYS = ("conf", "pyproject.toml", "gemini_jax/assets")
+ALWAYS = ("conf", ":(exclude)conf/train_tiny*.yaml", "pyproject.toml", "gemini_jax/assets")  # training
+# configs are read by experiments/train_tiny.py alone, which no measurement runs
 
 
 def _changed_since(commit: str, code: list[str] | None = None) -> int:

@@ -12,6 +12,7 @@ step) are Orbax; a run picks up from the latest one, so training can span sessio
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 
@@ -91,6 +92,27 @@ def needle_accuracy(graphdef, params, text, seq_len, trials, rng):
     return float(np.mean(np.all(pred == np.stack(answers), axis=1)))
 
 
+def ruler_accuracy(graphdef, params, text, seq_len, trials, rng) -> dict[str, float]:
+    """Per RULER-style task, the share of `trials` prompts of `seq_len` - TRAIN_MARGIN tokens whose
+    target is every byte the argmax, teacher-forced (a greedy decode writes the target; stricter
+    than the suite's any-order scoring, which also accepts the answers in another order)."""
+    model = nnx.merge(graphdef, params)
+    out = {}
+    for task in ruler.TASKS:
+        exs = [ruler.example(task, text, seq_len - ruler.TRAIN_MARGIN, rng) for _ in range(trials)]
+        targets = [np.frombuffer(ex.target.encode(), np.uint8).astype(np.int32) for ex in exs]
+        width = max(len(ex.prompt) + len(t) for ex, t in zip(exs, targets))
+        toks = np.zeros((trials, width), np.int32)  # right padding: causal attention never reads it
+        for i, (ex, t) in enumerate(zip(exs, targets)):
+            toks[i, :len(ex.prompt) + len(t)] = np.concatenate([ex.prompt, t])
+        pos = jnp.broadcast_to(jnp.arange(width - 1), (trials, width - 1))
+        pred = np.asarray(jnp.argmax(model(jnp.asarray(toks[:, :-1]), pos)[0], -1))
+        hits = [np.array_equal(pred[i, len(ex.prompt) - 1:len(ex.prompt) - 1 + len(t)], t)
+                for i, (ex, t) in enumerate(zip(exs, targets))]
+        out[task] = float(np.mean(hits))
+    return out
+
+
 def make_optimizer(cfg, stages):
     """AdamW with warmup + cosine decay over the whole curriculum, global-norm clipping."""
     warmup = min(int(cfg.warmup), max(1, stages[-1]["until"] // 10))
@@ -114,6 +136,8 @@ def restore_latest(cfg, ckpt_dir, params, opt_state):
 @hydra.main(version_base=None, config_path="../conf", config_name="train_tiny")
 def main(cfg: DictConfig) -> None:
     os.environ.setdefault("WANDB_MODE", cfg.wandb.mode)
+    # Orbax's per-save INFO trace would bury the progress bar (log_level=INFO shows it).
+    logging.getLogger("absl").setLevel(cfg.get("log_level", "WARNING"))
     import wandb
 
     mcfg = build(ModelConfig, cfg.model)
@@ -184,6 +208,12 @@ def main(cfg: DictConfig) -> None:
             record["needle_acc"] = needle_accuracy(graphdef, params, heldout, int(stage["seq_len"]),
                                                    cfg.eval_trials, np.random.default_rng([cfg.seed, 999, step]))
             tqdm.write(f"step {step}: needle accuracy @{stage['seq_len']} = {record['needle_acc']:.3f}")
+            if float(cfg.mix.get("ruler", 0.0)) > 0:
+                acc = ruler_accuracy(graphdef, params, heldout, int(stage["seq_len"]), cfg.eval_ruler_trials,
+                                     np.random.default_rng([cfg.seed, 998, step]))
+                record.update({f"ruler_acc/{t}": a for t, a in acc.items()})
+                tqdm.write(f"step {step}: RULER-style accuracy @{stage['seq_len']}: "
+                           + ", ".join(f"{t} {a:.2f}" for t, a in acc.items()))
         if record:
             run.log(record, step=step)
             with open(log_path, "a") as fh:

@@ -107,6 +107,17 @@ def test_aggregation_answers_are_strictly_the_most_frequent_words(text, task):
                 assert nums == list(range(1, len(nums) + 1)), where
 
 
+@pytest.mark.parametrize("task", ["niah_multivalue", "cwe", "vt"])
+def test_unordered_answers_are_listed_in_the_order_they_first_appear(text, task):
+    """A training target a model can learn: the any-order tasks list their answers as they appear."""
+    for seed in SEEDS:
+        ex = ruler.example(task, text, 2048, np.random.default_rng(seed))
+        body = _body(ex)
+        form = {"niah_multivalue": ruler.MARK + "{}", "cwe": ". {}\n", "vt": "VAR {} ="}[task]
+        where = [body.index(form.format(a)) for a in ex.answers]
+        assert not ex.ordered and where == sorted(where), (task, seed, ex.answers, where)
+
+
 def test_too_short_a_context_is_a_clear_error(text):
     with pytest.raises(ValueError, match="too short"):
         ruler.example("niah_multivalue", text, 200, np.random.default_rng(0))

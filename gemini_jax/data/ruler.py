@@ -54,7 +54,8 @@ class RulerExample:
     task: str
     prompt: np.ndarray
     answers: tuple[str, ...]
-    ordered: bool  # True: the answers must come in this order; False: any order
+    ordered: bool  # True: the answers must come in this order; False: any order (listed as they
+    # appear in the prompt; fwe most frequent first: the order a training target teaches)
 
     @property
     def target(self) -> str:
@@ -150,6 +151,8 @@ def niah(text: np.ndarray, length: int, rng: np.random.Generator, *, keys: int =
         answers, ordered = per_name[names[0]], True
     pieces = [p for _, p in lines]
     body = _plant(text, _room(length, question, *pieces), pieces, rng) + question
+    if not ordered:  # listed in the order they appear: one target a model can learn to write
+        answers = sorted(answers, key=lambda a: body.index((MARK + a).encode()))
     return _to_prompt(body, length, task, answers, ordered)
 
 
@@ -229,6 +232,7 @@ def cwe(text: np.ndarray, length: int, rng: np.random.Generator, *, common: int 
         raise ValueError(f"length={length} is too short for {common} words x {freq_common}.")
     # Shuffle what fits, the common words' copies included (they were placed first).
     fit = [fit[i] for i in rng.permutation(len(fit))]
+    top = sorted(top, key=fit.index)  # answers in order of first appearance (scored in any order)
     items = [f"{i + 1}. {w}\n".encode() for i, w in enumerate(fit)]
     body = _fill(CWE_HEAD.encode(), items, CWE_ASK.format(n=common).encode(), length)
     return _to_prompt(body, length, "cwe", top, False)
