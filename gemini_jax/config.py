@@ -177,7 +177,8 @@ class CacheConfig:
     dtype: how K and V are stored. A float dtype (None: the model's), or "int8" / "float8_e4m3fn":
     each token's K and V in each kv head quantized with its own float32 scale (absmax), read back
     in the model's dtype (gemini_jax.attention.kvquant). Quantized KV runs on the XLA path of the
-    contiguous and pooled paged caches (sparse or not), sessions and snapshots included.
+    contiguous and paged caches (sparse or not, over tiers or not: pages go down packed with their
+    scales), sessions and snapshots included; not on a mesh or the persistent prefix store yet.
     """
 
     kind: str = "paged"
@@ -561,9 +562,9 @@ class EngineConfig:
             _require(self.attention_impl == "xla",
                      f"cache.dtype={c.dtype!r} is read on the XLA path only (the Pallas kernels take float "
                      f"pages); set attention_impl='xla' (got {self.attention_impl!r}) or a float cache.dtype.")
-            _require(not self.tier.enabled and not self.tier.persistent,
-                     f"cache.dtype={c.dtype!r}: the tiers and the persistent prefix store (tier.enabled, "
-                     f"tier.persistent) hold float pages only; turn them off or use a float cache.dtype.")
+            _require(not self.tier.persistent,
+                     f"cache.dtype={c.dtype!r}: the persistent prefix store (tier.persistent) holds float pages "
+                     f"only; turn it off or use a float cache.dtype.")
             _require(self.mesh.devices == 1,
                      f"cache.dtype={c.dtype!r} is not sharded over a mesh yet; set mesh to one device "
                      f"(got {self.mesh.devices}) or a float cache.dtype.")

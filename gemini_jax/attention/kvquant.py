@@ -129,6 +129,32 @@ def to_host(x):
     return np.asarray(x)
 
 
+SCALE_BYTES = 4  # one float32 scale per vector
+
+
+def pack(x: QuantPages):
+    """QuantPages [..., D] -> uint8 [..., D + 4]: each vector's bytes, then its scale's (little
+    endian). The tiers store and move this form: a page is one plain byte array, checksummed and
+    written as one. numpy in, numpy out; jax in, jax out (inside a jitted step too)."""
+    if isinstance(x.data, np.ndarray):
+        scale = np.ascontiguousarray(x.scale, "<f4").view(np.uint8).reshape(*x.scale.shape, SCALE_BYTES)
+        return np.concatenate([x.data.view(np.uint8), scale], axis=-1)
+    scale = jax.lax.bitcast_convert_type(x.scale.astype(jnp.float32), jnp.uint8)  # [..., 4]
+    return jnp.concatenate([jax.lax.bitcast_convert_type(x.data, jnp.uint8), scale], axis=-1)
+
+
+def unpack(x, dtype) -> QuantPages:
+    """uint8 [..., D + 4] (`pack`'s form) -> QuantPages [..., D] in `dtype` (int8 | float8_e4m3fn)."""
+    store = STORAGE[np.dtype(dtype).name]
+    if isinstance(x, np.ndarray):
+        data = x[..., :-SCALE_BYTES].view(np.dtype(store))
+        return QuantPages(data, np.ascontiguousarray(x[..., -SCALE_BYTES:]).view("<f4")[..., 0].astype(np.float32))
+    data = x[..., :-SCALE_BYTES]
+    if store == "int8":
+        data = jax.lax.bitcast_convert_type(data, jnp.int8)
+    return QuantPages(data, jax.lax.bitcast_convert_type(x[..., -SCALE_BYTES:], jnp.float32))
+
+
 def vector_bytes(dtype, head_dim: int) -> int:
     """Bytes one stored vector (a token's K or V in one kv head) takes, its scale included."""
-    return head_dim * np.dtype(dtype).itemsize + (np.dtype(SCALE_DTYPE).itemsize if is_quantized(dtype) else 0)
+    return head_dim * np.dtype(dtype).itemsize + (SCALE_BYTES if is_quantized(dtype) else 0)

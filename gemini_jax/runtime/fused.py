@@ -35,6 +35,7 @@ import numpy as np
 from flax import nnx
 from jax.experimental import io_callback
 
+from gemini_jax.attention import kvquant
 from gemini_jax.attention.select import compact_shift, select_step
 from gemini_jax.attention.dispatch import AttentionImpl, attend_selected
 from gemini_jax.attention.views import PageView, Selection, Span
@@ -62,7 +63,7 @@ class FusedSpec:
     depth: int  # prefetch depth (layers ahead)
     block_size: int
     fetch_batch: int  # pages one callback hands back
-    dtype: Any  # of the slots
+    dtype: Any  # of the slots (a quantized format's pages arrive packed: kvquant.pack)
     # False: every page the step can read is in a slot, so the program has no host callback at
     # all, neither to bring pages nor to hand the prefetcher lookahead guesses (a program with
     # callbacks leaves jax's fast dispatch path, ~1 ms a step here).
@@ -85,7 +86,10 @@ def _program(graphdef, host, spec: FusedSpec):
         h = model.embed_tokens(tokens)
         sels = []
         ids = jax.ShapeDtypeStruct((M,), jnp.int32)
-        page = jax.ShapeDtypeStruct((M, K, S, D), spec.dtype)
+        quantized = kvquant.is_quantized(spec.dtype)
+        # Pages arrive as the tiers store them: a quantized page packed with its scales.
+        page = jax.ShapeDtypeStruct((M, K, S, D + kvquant.SCALE_BYTES) if quantized else (M, K, S, D),
+                                    jnp.uint8 if quantized else spec.dtype)
         fetch_shapes = (jax.ShapeDtypeStruct((), jnp.bool_), ids, ids, ids, page, page)  # ok, slots, pages, evicted, k, v
 
         for layer in range(L):
@@ -115,8 +119,11 @@ def _program(graphdef, host, spec: FusedSpec):
                 ok, slots, pages, evicted, kd, vd = io_callback(
                     functools.partial(host.serve, layer), fetch_shapes, phys, missing(page_to_slot), ordered=False)
                 # Padding: slot n_slots + 1 and page num_pages are out of range, so dropped.
-                k_slots = k_slots.at[layer, :, slots].set(kd, mode="drop")  # [M, K, S, D] (numpy indexing)
-                v_slots = v_slots.at[layer, :, slots].set(vd, mode="drop")
+                if quantized:
+                    kd, vd = kvquant.unpack(kd, spec.dtype), kvquant.unpack(vd, spec.dtype)
+                at = (layer, slice(None), slots)  # [M, K, S, D] (numpy indexing)
+                k_slots = kvquant.write(k_slots, at, kd, mode="drop")
+                v_slots = kvquant.write(v_slots, at, vd, mode="drop")
                 page_to_slot = page_to_slot.at[layer, evicted].set(0, mode="drop").at[layer, pages].set(slots, mode="drop")
                 return k_slots, v_slots, page_to_slot, ok
 
@@ -174,7 +181,7 @@ class FusedDecode:
         # Callbacks may receive jax arrays: index them as numpy (a jax boolean index is an eager
         # op with a data-dependent shape, compiled anew on every call).
         phys, missing = np.asarray(phys), np.asarray(missing)
-        K, S, D = store.cfg.num_kv_heads, store.S, store.cfg.head_dim
+        K, S, D = store.cfg.num_kv_heads, store.S, store.spec.row  # pages as stored
         slots = np.full(M, store.n_slots + 1, np.int32)
         pages = np.full(M, store.num_pages, np.int32)
         evicted = np.full(M, store.num_pages, np.int32)

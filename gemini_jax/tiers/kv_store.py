@@ -7,6 +7,11 @@ misses from below through the prefetcher), `put_below` (write-through of filled 
 
 Exactness: a page's bytes are the same in a slot, in host RAM and on disk, and digests live on
 device for every page, so selection is the all-resident selection.
+
+Quantized KV (int8 / float8_e4m3fn): slots hold `kvquant.QuantPages` (data + per-vector scales),
+as the all-resident pool does; below the device a page is held packed (`kvquant.pack`, one byte
+array with its scales: `gemini_jax.tiers.page`). Pages are packed on device as they leave a slot
+and unpacked as they enter one; `gather` / `scatter` speak the pool's form (QuantPages).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from gemini_jax import distributed
 from gemini_jax.attention import digests as page_digests
+from gemini_jax.attention import kvquant
 from gemini_jax.cache.shapes import pow2_at_least
 from gemini_jax.cache.store import DeviceKV
 from gemini_jax.config import EngineConfig, ModelConfig
@@ -38,13 +44,18 @@ from gemini_jax.tiers.write_log import WriteLog
 @functools.partial(jax.jit, donate_argnums=(0, 1))
 def _fill(k_slots, v_slots, layer, slots, k, v):
     """Pages k, v [n, K, S, D] into `slots` [n] of `layer` (out-of-range slots: padding, dropped)."""
-    return (k_slots.at[layer, :, slots].set(k, mode="drop"), v_slots.at[layer, :, slots].set(v, mode="drop"))
+    at = (layer, slice(None), slots)  # numpy indexing: the slots' axis comes first, as in k and v
+    return kvquant.write(k_slots, at, k, mode="drop"), kvquant.write(v_slots, at, v, mode="drop")
 
 
 @jax.jit
 def _read(k_slots, v_slots, layer, slots):
-    """Pages in `slots` [n] of `layer` -> k, v [n, K, S, D]."""
-    return jnp.moveaxis(k_slots[layer][:, slots], 1, 0), jnp.moveaxis(v_slots[layer][:, slots], 1, 0)
+    """Pages in `slots` [n] of `layer` -> k, v [n, K, S, row] as the tiers store them (quantized
+    pages packed with their scales)."""
+    def pages(slots_):
+        x = jax.tree.map(lambda a: jnp.moveaxis(a, 1, 0), slots_[layer][:, slots])
+        return kvquant.pack(x) if isinstance(x, kvquant.QuantPages) else x
+    return pages(k_slots), pages(v_slots)
 
 
 class TieredStore:
@@ -61,6 +72,7 @@ class TieredStore:
         self.cfg, self.tc, self.S = cfg, tc, S
         self.num_pages = ec.num_pages
         self.dtype = jnp.dtype(dtype)
+        self.quantized = kvquant.is_quantized(self.dtype)
         L = cfg.num_layers
         self.n_slots = tc.device_slots(self.num_pages)
         self.slots = DeviceSlots(L, self.n_slots + 1, reserved=(0,))  # slot 0: null, never written
@@ -75,12 +87,16 @@ class TieredStore:
             pool = distributed.pool_sharding(self.mesh)
             self._page_sharding = NamedSharding(self.mesh, PartitionSpec(None, "model", None, None))
         # zeros: masked reads of unfilled slots stay finite
-        k = jnp.zeros(shape, self.dtype, device=pool)
-        v = jnp.zeros(shape, self.dtype, device=pool)
+        if self.quantized:  # EngineConfig refuses quantized KV on a mesh: one device here
+            k, v = kvquant.zeros(shape, self.dtype), kvquant.zeros(shape, self.dtype)
+        else:
+            k = jnp.zeros(shape, self.dtype, device=pool)
+            v = jnp.zeros(shape, self.dtype, device=pool)
         sp = ec.sparse
         dig = None
         if sp.enabled:
-            ddt = jnp.dtype(sp.digest_dtype or self.dtype)
+            # Digests of quantized keys are kept in float32, as the all-resident pool keeps them.
+            ddt = jnp.dtype(sp.digest_dtype or (jnp.float32 if self.quantized else self.dtype))
             dig = page_digests.create(sp.digest, L, cfg.num_kv_heads, self.num_pages, cfg.head_dim, ddt)
             if pool is not None:
                 dig = jax.device_put(dig, pool)
@@ -191,6 +207,14 @@ class TieredStore:
         """Start fetching the keys (most wanted first) that are stored below and not in a slot."""
         self.prefetcher.schedule(key for key in keys if key in self.below and self.page_to_slot[key] == 0)
 
+    def _to_slots(self, x):
+        """Stored pages (numpy [..., row]) -> what slots take (QuantPages when quantized)."""
+        return kvquant.unpack(x, self.dtype) if self.quantized else x
+
+    def _to_stored(self, x):
+        """Pool-form pages (array or QuantPages [..., D]) -> numpy as the tiers store them."""
+        return kvquant.pack(kvquant.to_host(x)) if self.quantized else np.asarray(x)
+
     def _fill(self, layer, keys, slots) -> None:
         ks, vs = [], []
         for key in keys:
@@ -207,8 +231,9 @@ class TieredStore:
         self._fill_slots(layer, idx, np.stack(ks), np.stack(vs))
 
     def _fill_slots(self, layer, idx, k, v) -> None:
-        """Pages k, v [n, K, S, D] (numpy) into slots `idx` [n] of `layer`. On a mesh each device
-        receives only its heads of the pages."""
+        """Stored pages k, v [n, K, S, row] (numpy) into slots `idx` [n] of `layer`. On a mesh
+        each device receives only its heads of the pages."""
+        k, v = self._to_slots(k), self._to_slots(v)
         if self._page_sharding is not None:
             k, v = jax.device_put(k, self._page_sharding), jax.device_put(v, self._page_sharding)
         kv = self._kv
@@ -234,11 +259,12 @@ class TieredStore:
     # ---- whole pages in and out (sessions: snapshot, restore, rewind) ---------------------------
     def gather(self, pages):
         """Every layer's KV and digests of physical `pages`, wherever each lives -> k, v
-        [L, K, n, S, D] (numpy), digests [L, K, n, R, D] or None. The null page reads as zeros;
-        pages from disk are verified (IntegrityError names a corrupt one)."""
+        [L, K, n, S, D] (numpy; QuantPages of numpy arrays when quantized, as the all-resident
+        pool gives), digests [L, K, n, R, D] or None. The null page reads as zeros; pages from disk
+        are verified (IntegrityError names a corrupt one)."""
         cfg, L = self.cfg, self.cfg.num_layers
         pages = [int(p) for p in pages]
-        k = np.zeros((L, cfg.num_kv_heads, len(pages), self.S, cfg.head_dim), self.np_dtype)
+        k = np.zeros((L, cfg.num_kv_heads, len(pages), self.S, self.spec.row), self.np_dtype)
         v = np.zeros_like(k)
         for layer in range(L):
             on_device = [(i, p) for i, p in enumerate(pages) if p != 0 and self.page_to_slot[layer, p] != 0]
@@ -258,7 +284,7 @@ class TieredStore:
                                          f"or rewind cannot copy it (a decode step would have recomputed it).")
                 k[layer, :, i], v[layer, :, i] = page.k, page.v
         dig = None if self._kv.digests is None else np.asarray(self._kv.digests[:, :, np.asarray(pages, np.int32)])
-        return k, v, dig
+        return self._to_slots(k), self._to_slots(v), dig
 
     def scatter(self, pages, k, v, digests=None, *, partial=()) -> None:  # noqa: PLR0913
         """Write whole pages (physical ids; k, v [L, K, n, S, D], digests [L, K, n, R, D]) into
@@ -266,6 +292,7 @@ class TieredStore:
         (not full yet, so never stored below) go into device slots."""
         pages = [int(p) for p in pages]
         partial = {int(p) for p in partial}
+        k, v = self._to_stored(k), self._to_stored(v)
         self.forget(pages)  # whatever a slot or a tier held for these ids is stale
         for layer in range(self.cfg.num_layers):
             part = []
@@ -295,7 +322,7 @@ class TieredStore:
         """Tier counters: device slots, host and disk stores, KV bytes held per tier."""
         held = self.stack.bytes_held()
         kv = self._kv
-        per_device = sum(a.addressable_shards[0].data.nbytes for a in (kv.k, kv.v))
+        per_device = sum(a.addressable_shards[0].data.nbytes for a in jax.tree.leaves((kv.k, kv.v)))
         out = {"device_slots_per_layer": self.n_slots, "device_hits": self.slots.hits,
                "device_misses": self.slots.misses, "device_evictions": self.slots.evictions,
                "kv_bytes_device": int(kv.k.nbytes + kv.v.nbytes), "kv_bytes_per_device": int(per_device),

@@ -3,7 +3,12 @@
 `PageKey` = (layer, page_id): page ids are the cache's page ids (`BlockPool`), which name a page
 wherever it lives. A page's data is k and v, each `[kv_heads, block_size, head_dim]` (one page of
 the device pool `[layers, kv_heads, pages, block_size, head_dim]` at [layer, :, page]); stores
-keep them stacked as `[2, kv_heads, block_size, head_dim]` (k first).
+keep them stacked as `[2, kv_heads, block_size, row]` (k first).
+
+A float page's row is its `head_dim` numbers. A quantized page (int8 / float8_e4m3fn: one float32
+scale per vector, `gemini_jax.attention.kvquant`) is held packed, `kvquant.pack`: a row is the
+vector's `head_dim` bytes then its scale's 4 (uint8 [..., head_dim + 4]), so below the device a
+page is one byte array whatever its format, checksummed, stored and moved as one.
 """
 
 from __future__ import annotations
@@ -18,14 +23,18 @@ from gemini_jax.errors import ConfigError
 
 PageKey = tuple[int, int]  # (layer, page_id)
 
+# The dtype a store holds for each KV format (quantized ones: their packed bytes).
 _NP_DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16),
-              "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+              "bfloat16": np.dtype(ml_dtypes.bfloat16), "int8": np.dtype(np.uint8),
+              "float8_e4m3fn": np.dtype(np.uint8)}
+_SCALE_BYTES = 4  # kvquant.SCALE_BYTES (tiers sit below the attention layer: not imported)
 
 
 @dataclass(frozen=True, kw_only=True)
 class PageSpec:
     """Shape of the page space a store serves: `num_layers` x `num_pages` pages of
-    `[kv_heads, block_size, head_dim]` in `dtype` ("float32" | "bfloat16" | "float16")."""
+    `[kv_heads, block_size, head_dim]` in `dtype` ("float32" | "bfloat16" | "float16", or "int8" |
+    "float8_e4m3fn" held packed: see the module doc)."""
 
     num_layers: int
     num_pages: int
@@ -43,18 +52,28 @@ class PageSpec:
             raise ConfigError(f"PageSpec.dtype={self.dtype!r} must be one of {tuple(_NP_DTYPES)}.")
 
     @property
+    def quantized(self) -> bool:
+        return self.dtype in ("int8", "float8_e4m3fn")
+
+    @property
     def np_dtype(self) -> np.dtype:
+        """What the stores hold (uint8 for a quantized format's packed bytes)."""
         return _NP_DTYPES[self.dtype]
 
     @property
+    def row(self) -> int:
+        """Numbers per stored vector: head_dim, + the 4 scale bytes when quantized."""
+        return self.head_dim + (_SCALE_BYTES if self.quantized else 0)
+
+    @property
     def page_shape(self) -> tuple[int, int, int]:
-        """Shape of k (and of v): [kv_heads, block_size, head_dim]."""
-        return (self.kv_heads, self.block_size, self.head_dim)
+        """Shape of k (and of v) as stored: [kv_heads, block_size, row]."""
+        return (self.kv_heads, self.block_size, self.row)
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one (layer, page) unit, k and v together."""
-        return 2 * self.kv_heads * self.block_size * self.head_dim * self.np_dtype.itemsize
+        """Bytes of one (layer, page) unit, k and v together (scales included)."""
+        return 2 * self.kv_heads * self.block_size * self.row * self.np_dtype.itemsize
 
     def check_key(self, key: PageKey) -> PageKey:
         layer, page = int(key[0]), int(key[1])
@@ -64,14 +83,15 @@ class PageSpec:
         return layer, page
 
     def stack(self, k: np.ndarray, v: np.ndarray) -> np.ndarray:
-        """k, v [kv_heads, block_size, head_dim] -> a fresh [2, kv_heads, block_size, head_dim] array
-        in the spec's dtype (a copy: the caller may reuse its buffers)."""
+        """k, v [kv_heads, block_size, row] -> a fresh [2, kv_heads, block_size, row] array in the
+        spec's stored dtype (a copy: the caller may reuse its buffers)."""
         k, v = np.asarray(k), np.asarray(v)
         if k.shape != self.page_shape or v.shape != self.page_shape:
             raise ValueError(f"page k{k.shape} / v{v.shape} must both be {self.page_shape} "
-                             f"[kv_heads, block_size, head_dim].")
+                             f"[kv_heads, block_size, row].")
         if k.dtype != self.np_dtype or v.dtype != self.np_dtype:
-            raise ValueError(f"page dtype k={k.dtype} v={v.dtype} must be {self.dtype} (the store's dtype); "
+            raise ValueError(f"page dtype k={k.dtype} v={v.dtype} must be {self.np_dtype} (what a {self.dtype} store "
+                             f"holds); "
                              f"cast before storing so round trips stay bit-exact.")
         out = np.empty((2, *self.page_shape), self.np_dtype)
         out[0], out[1] = k, v
@@ -83,7 +103,7 @@ class PageSpec:
         want = (2, *self.page_shape)
         if getattr(data, "shape", None) != want or data.dtype != self.np_dtype:
             raise ValueError(f"stacked page {getattr(data, 'shape', None)} {getattr(data, 'dtype', None)} must be "
-                             f"{want} [k/v, kv_heads, block_size, head_dim] of {self.dtype}.")
+                             f"{want} [k/v, kv_heads, block_size, row] of {self.np_dtype}.")
         return data
 
 

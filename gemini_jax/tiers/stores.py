@@ -170,7 +170,7 @@ def _zarr_metadata(spec: PageSpec, layout: str, shard_pages: int) -> dict:
             "chunk_shape": page_chunk, "codecs": raw,
             "index_codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
             "index_location": "end"}}]
-    return {"shape": [spec.num_layers, spec.num_pages, 2, *spec.page_shape], "data_type": spec.dtype,
+    return {"shape": [spec.num_layers, spec.num_pages, 2, *spec.page_shape], "data_type": spec.np_dtype.name,
             "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": grid}},
             "codecs": codecs, "fill_value": 0}
 
