@@ -385,11 +385,19 @@ def kv_quant_block(results_dir: str) -> str:
     b = bench["rows"]["kv_quant"]["records"]
     brow = ["| attention | KV dtype | context | step time quantized / float32 (min–max) | KV bytes read per step | "
             "snapshot KV + scales | … + float32 digests |", "|---|---|---|---|---|---|---|"]
-    for r in b:
+    for r in (r for r in b if r["mode"] != "tiers"):
         brow.append(f"| {r['mode']} | {r['dtype']} | {r['context'] // 1024}K | {r['time_ratio']:.2f}× "
                     f"({r['time_ratio_min']:.2f}–{r['time_ratio_max']:.2f}) | {r['kv_bytes_ratio']:.3f}× "
                     f"{'✓' if r['kv_bytes_ratio'] <= 0.27 else '✗'} | {r['snapshot_kv_ratio']:.3f}× "
                     f"{'✓' if r['snapshot_kv_ratio'] <= 0.27 else '✗'} | {r['snapshot_payload_ratio']:.3f}× |")
+    tiers = [r for r in b if r["mode"] == "tiers"]
+    if tiers:
+        brow += ["", "| over tiers | KV dtype | prompt | pages down / up, float32 vs quantized | bytes the tiers moved, "
+                 "quantized / float32 |", "|---|---|---|---|---|"]
+        brow += [f"| sparse, 25% of pages on device | {r['dtype']} | {r['context'] // 1024}K | "
+                 f"{r['float32']['pages_down']} / {r['float32']['pages_up']} vs {r['quant']['pages_down']} / "
+                 f"{r['quant']['pages_up']} | {r['tier_bytes_ratio']:.3f}× {'✓' if r['tier_bytes_ratio'] <= 0.27 else '✗'} |"
+                 for r in tiers]
     return "\n".join(rows + tail + ["", *brow, "", f"Bytes goal ≤ 0.27× of float32, scales included. From "
                                      f"[BENCH.md](experiments/results/bench_kv_quant/BENCH.md) (raw: `bench.json`), "
                                      f"commit `{bench['commit'][:7]}`, seed {bench['seeds'][0]}."])

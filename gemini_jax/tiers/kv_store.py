@@ -212,8 +212,13 @@ class TieredStore:
         return kvquant.unpack(x, self.dtype) if self.quantized else x
 
     def _to_stored(self, x):
-        """Pool-form pages (array or QuantPages [..., D]) -> numpy as the tiers store them."""
-        return kvquant.pack(kvquant.to_host(x)) if self.quantized else np.asarray(x)
+        """Pool-form pages (array or QuantPages [..., D]; float pages into a quantized store are
+        quantized, as the pool does) -> numpy as the tiers store them."""
+        if not self.quantized:
+            return np.asarray(kvquant.read(x, self.dtype) if isinstance(x, kvquant.QuantPages) else x)
+        if not isinstance(x, kvquant.QuantPages):
+            x = kvquant.quantize(jnp.asarray(x), self.dtype)
+        return kvquant.pack(kvquant.to_host(x))
 
     def _fill(self, layer, keys, slots) -> None:
         ks, vs = [], []
