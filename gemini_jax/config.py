@@ -178,7 +178,8 @@ class CacheConfig:
     each token's K and V in each kv head quantized with its own float32 scale (absmax), read back
     in the model's dtype (gemini_jax.attention.kvquant). Quantized KV runs on the XLA path of the
     contiguous and paged caches (sparse or not, over tiers or not: pages go down packed with their
-    scales), sessions and snapshots included; not on a mesh or the persistent prefix store yet.
+    scales; on a mesh, scales sharded by kv head with their data), sessions and snapshots included;
+    not the persistent prefix store yet.
     """
 
     kind: str = "paged"
@@ -565,9 +566,6 @@ class EngineConfig:
             _require(not self.tier.persistent,
                      f"cache.dtype={c.dtype!r}: the persistent prefix store (tier.persistent) holds float pages "
                      f"only; turn it off or use a float cache.dtype.")
-            _require(self.mesh.devices == 1,
-                     f"cache.dtype={c.dtype!r} is not sharded over a mesh yet; set mesh to one device "
-                     f"(got {self.mesh.devices}) or a float cache.dtype.")
 
         t = self.tier
         if t.enabled:

@@ -30,7 +30,9 @@ _LAYER_SPECS = {
     "wo": P(None, "model", None), "w_gate": P(None, None, "model"), "w_up": P(None, None, "model"),
     "w_down": P(None, "model", None),
 }
-POOL_SPEC = P(None, "model", None, None, None)  # [layers, kv_heads, pages, block, head_dim]
+# [layers, kv_heads, ...]: the pool [layers, kv_heads, pages, block, head_dim], its digests, and a
+# quantized pool's scales [layers, kv_heads, pages, block] alike (trailing axes unsharded).
+POOL_SPEC = P(None, "model")
 
 
 def make_mesh(shape: MeshConfig, cfg: Optional[ModelConfig] = None) -> Mesh:

@@ -220,11 +220,34 @@ def test_tiered_quantized_decode_matches_the_pool_and_holds_a_quarter_of_the_byt
     assert held["int8"][1] / held[None][1] == pytest.approx(68 / 256), held
 
 
+def test_quantized_kv_on_a_mesh_shards_scales_with_their_data():
+    """int8 KV on a (1 x 2) mesh (2 fake CPU devices, a subprocess), all-resident and over tiers:
+    each device holds half the pool's data and half its scales, and decodes the single-device
+    tokens. Logits to 1e-3, not 1e-5: the mesh sums the heads' outputs in another order, and a key
+    an ulp from an int8 rounding boundary then lands on the other step (see the tiers test)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    seed = 38
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kvquant_mesh_check.py")
+    out = subprocess.run([sys.executable, script, str(seed)], capture_output=True, text=True, timeout=900)
+    line = [x for x in out.stdout.splitlines() if x.startswith("REPORT ")]
+    assert line, out.stdout[-2000:] + out.stderr[-4000:]
+    r = json.loads(line[0][len("REPORT "):])
+    assert r["devices"] == 2 and r["single"]["data_share"] == r["single"]["scale_share"] == 1.0, r
+    for name in ("mesh", "mesh_tiers"):
+        assert r[name]["data_share"] == r[name]["scale_share"] == 0.5, (name, r)
+        assert r[name]["tokens"] == r["single"]["tokens"], (name, f"seed={seed}", r)
+        assert r[name]["max_err"] <= 1e-3, (name, f"seed={seed}", r[name]["max_err"])
+    assert r["mesh_tiers"]["fetched"] > 0, r  # pages went below and came back
+
+
 def test_quantized_kv_refuses_what_it_does_not_run_on_by_name():
     with pytest.raises(ConfigError, match="cache.dtype='int4'"):
         gj.config.CacheConfig(dtype="int4")
     for over, field in ((dict(attention_impl="pallas"), "attention_impl"),
-                        (dict(tier=dict(persistent=True, disk_path="/nonexistent")), "tier.persistent"),
-                        (dict(mesh=dict(data=1, model=2)), "mesh")):
+                        (dict(tier=dict(persistent=True, disk_path="/nonexistent")), "tier.persistent")):
         with pytest.raises(ConfigError, match=field):
             gj.config.from_dict(gj.EngineConfig, dict(cache=dict(dtype="int8"), **over))

@@ -85,10 +85,13 @@ class TieredStore:
         self._page_sharding = None
         if self.mesh is not None:
             pool = distributed.pool_sharding(self.mesh)
-            self._page_sharding = NamedSharding(self.mesh, PartitionSpec(None, "model", None, None))
+            # [pages, kv_heads, ...]: float pages, a quantized page's data and its scales alike
+            self._page_sharding = NamedSharding(self.mesh, PartitionSpec(None, "model"))
         # zeros: masked reads of unfilled slots stay finite
-        if self.quantized:  # EngineConfig refuses quantized KV on a mesh: one device here
+        if self.quantized:
             k, v = kvquant.zeros(shape, self.dtype), kvquant.zeros(shape, self.dtype)
+            if pool is not None:
+                k, v = jax.device_put((k, v), pool)
         else:
             k = jnp.zeros(shape, self.dtype, device=pool)
             v = jnp.zeros(shape, self.dtype, device=pool)
