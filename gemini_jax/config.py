@@ -178,8 +178,8 @@ class CacheConfig:
     each token's K and V in each kv head quantized with its own float32 scale (absmax), read back
     in the model's dtype (gemini_jax.attention.kvquant). Quantized KV runs on the XLA path of the
     contiguous and paged caches (sparse or not, over tiers or not: pages go down packed with their
-    scales; on a mesh, scales sharded by kv head with their data), sessions and snapshots included;
-    not the persistent prefix store yet.
+    scales; on a mesh, scales sharded by kv head with their data; the persistent prefix store keys
+    on the dtype), sessions and snapshots included.
     """
 
     kind: str = "paged"
@@ -563,9 +563,6 @@ class EngineConfig:
             _require(self.attention_impl == "xla",
                      f"cache.dtype={c.dtype!r} is read on the XLA path only (the Pallas kernels take float "
                      f"pages); set attention_impl='xla' (got {self.attention_impl!r}) or a float cache.dtype.")
-            _require(not self.tier.persistent,
-                     f"cache.dtype={c.dtype!r}: the persistent prefix store (tier.persistent) holds float pages "
-                     f"only; turn it off or use a float cache.dtype.")
 
         t = self.tier
         if t.enabled:

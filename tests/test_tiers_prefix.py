@@ -188,18 +188,20 @@ def test_digests_round_trip_and_are_checked(tmp_path):
             st.get_many(hs)
 
 
-def _engine_cfg(path, *, tiers: bool, block: int = 8, sparse: bool = False):
+def _engine_cfg(path, *, tiers: bool, block: int = 8, sparse: bool = False, dtype=None):
     from gemini_jax.config import CacheConfig, EngineConfig, SparseConfig, TierConfig
 
     sp = SparseConfig(enabled=True, budget=64, sink_pages=1, local_pages=1) if sparse else SparseConfig()
     tier = TierConfig(enabled=tiers, device_pages=24 if tiers else None, prefetch_depth=0, hot_threshold=0,
                       disk_path=str(path), persistent=True)
-    return EngineConfig(max_seq_len=512, max_batch=1, prefill_chunk=32, cache=CacheConfig(block_size=block),
+    return EngineConfig(max_seq_len=512, max_batch=1, prefill_chunk=32, cache=CacheConfig(block_size=block, dtype=dtype),
                         sparse=sp, tier=tier)
 
 
-@pytest.mark.parametrize("tiers, sparse", [(False, False), (True, True)], ids=["pool", "tiers-sparse"])
-def test_a_new_engine_loads_a_stored_prefix_instead_of_prefilling(tmp_path, tiers, sparse):
+@pytest.mark.parametrize("tiers, sparse, dtype", [(False, False, None), (True, True, None), (True, True, "int8")],
+                         ids=["pool", "tiers-sparse", "tiers-sparse-int8"])
+def test_a_new_engine_loads_a_stored_prefix_instead_of_prefilling(tmp_path, tiers, sparse, dtype):
+    """int8: pages go to disk packed with their scales, and a store of another KV dtype never matches."""
     import gemini_jax as gj
     from gemini_jax.config import SamplingParams
     from gemini_jax.testing import random_model, random_prompts, tiny_config
@@ -208,11 +210,11 @@ def test_a_new_engine_loads_a_stored_prefix_instead_of_prefilling(tmp_path, tier
     model = random_model(cfg, SEED)
     prompt = random_prompts(np.random.default_rng(SEED), cfg.vocab_size, [300])[0]
     params = SamplingParams(max_new_tokens=6, temperature=0.0, stop_at_eos=False)
-    where = f"seed={SEED}, tiers={tiers}, sparse={sparse}"
-    with gj.Engine(model, _engine_cfg(tmp_path, tiers=tiers, sparse=sparse)) as eng:
+    where = f"seed={SEED}, tiers={tiers}, sparse={sparse}, dtype={dtype}"
+    with gj.Engine(model, _engine_cfg(tmp_path, tiers=tiers, sparse=sparse, dtype=dtype)) as eng:
         cold = eng.generate(prompt, params, return_logits=True)
         assert eng.prefixes.pages_written == (len(prompt) - 1) // 8, where
-    with gj.Engine(model, _engine_cfg(tmp_path, tiers=tiers, sparse=sparse)) as eng:  # a new engine, same disk
+    with gj.Engine(model, _engine_cfg(tmp_path, tiers=tiers, sparse=sparse, dtype=dtype)) as eng:  # same disk
         warm = eng.generate(prompt, params, return_logits=True)
     # Loaded up to the last prefill-chunk boundary (32) before the last token: the rest is
     # prefilled in the chunks the cold run made.
@@ -225,6 +227,9 @@ def test_a_new_engine_loads_a_stored_prefix_instead_of_prefilling(tmp_path, tier
         assert eng.generate(prompt, params).stats["prefill_tokens_reused"] == 0, where
     with gj.Engine(random_model(cfg, SEED + 1), _engine_cfg(tmp_path, tiers=tiers, sparse=sparse)) as eng:
         assert eng.generate(prompt, params).stats["prefill_tokens_reused"] == 0, where
+    if dtype is not None:  # the same layout in float32: another store
+        with gj.Engine(model, _engine_cfg(tmp_path, tiers=tiers, sparse=sparse)) as eng:
+            assert eng.generate(prompt, params).stats["prefill_tokens_reused"] == 0, where
 
 
 def test_a_corrupt_stored_page_is_prefilled_again(tmp_path):

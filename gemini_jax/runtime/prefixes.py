@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from gemini_jax.attention import kvquant
 from gemini_jax.cache.block_pool import NULL_PAGE
 from gemini_jax.cache.manager import block_hash
 from gemini_jax.errors import IntegrityError
@@ -54,7 +55,9 @@ def load(ctx: RunContext, sid: int, prompt, start: int) -> int:
         return 0
     n = len(hashes)
     pages = kv.extend_cached(sid, prompt[start:start + n * S], hashes)
-    k, v = np.moveaxis(data[:, 0], 0, 2), np.moveaxis(data[:, 1], 0, 2)  # [L, K, n, S, D]
+    k, v = np.moveaxis(data[:, 0], 0, 2), np.moveaxis(data[:, 1], 0, 2)  # [L, K, n, S, row]
+    if kvquant.is_quantized(ctx.cache_dtype):  # stored packed with their scales
+        k, v = kvquant.unpack(k, ctx.cache_dtype), kvquant.unpack(v, ctx.cache_dtype)
     ctx.store.scatter(pages, k, v, None if dig is None else np.moveaxis(dig, 0, 2))
     return n * S
 
@@ -70,6 +73,8 @@ def persist(ctx: RunContext, sid: int) -> int:
     if not todo:
         return 0
     k, v, dig = ctx.store.gather([seq.pages[i] for i, _ in todo])
+    if isinstance(k, kvquant.QuantPages):  # one byte array a page, scales included
+        k, v = kvquant.pack(k), kvquant.pack(v)
     done = 0
     for j, (_, h) in enumerate(todo):
         try:

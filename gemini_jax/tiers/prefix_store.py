@@ -7,7 +7,8 @@ size, dtype) and every token up to its end: the cache's chained block hash
 directory and never matches; `meta.json` there holds the fingerprint itself and is checked on
 open.
 
-    pages.zarr   zarr3 [capacity, 2, layers, kv_heads, block_size, head_dim], one chunk per slot
+    pages.zarr   zarr3 [capacity, 2, layers, kv_heads, block_size, row], one chunk per slot (row:
+                 head_dim numbers, or a quantized vector's bytes and scale: `PageSpec.row`)
     digests.zarr the pages' selection digests [capacity, layers, kv_heads, rows, head_dim] (sparse)
     index.log    append-only records (block hash, slot, checksum of the slot's bytes), each with
                  its own CRC
@@ -80,7 +81,7 @@ class PrefixStore:
                  fsync: bool = False):
         self.spec, self.fsync = spec, fsync
         self.digest_shape = None if digest_shape is None else tuple(int(x) for x in digest_shape)
-        self.shape = (2, spec.num_layers, spec.kv_heads, spec.block_size, spec.head_dim)
+        self.shape = (2, spec.num_layers, spec.kv_heads, spec.block_size, spec.row)
         self.path = os.path.join(os.path.abspath(root), f"prefix-{fingerprint_id(fingerprint)}")
         try:
             os.makedirs(self.path, exist_ok=True)
@@ -96,13 +97,13 @@ class PrefixStore:
             self._next = max(self._next, slot + 1)
         self._log.records = []  # replayed into the index
         try:
-            self._array = ts.open(_zarr(os.path.join(self.path, "pages.zarr"), self.shape, spec.dtype, fsync),
+            self._array = ts.open(_zarr(os.path.join(self.path, "pages.zarr"), self.shape, spec.np_dtype.name, fsync),
                                   create=True, open=True).result()
             self._digests = None
             if self.digest_shape is not None:
                 self._digests = ts.open(_zarr(os.path.join(self.path, "digests.zarr"), self.digest_shape,
                                               str(np.dtype(digest_dtype).name) if digest_dtype is not None
-                                              else spec.dtype, fsync), create=True, open=True).result()
+                                              else spec.np_dtype.name, fsync), create=True, open=True).result()
         except ValueError as e:
             self._log.close()
             raise TierError(f"cannot open the prefix pages at {self.path!r}: {e}") from e
@@ -155,7 +156,8 @@ class PrefixStore:
             return False
         data = np.ascontiguousarray(data)
         if data.shape != self.shape or data.dtype != self.spec.np_dtype:
-            raise ValueError(f"prefix page {data.shape} {data.dtype} must be {self.shape} of {self.spec.dtype}.")
+            raise ValueError(f"prefix page {data.shape} {data.dtype} must be {self.shape} of {self.spec.np_dtype} "
+                             f"(a {self.spec.dtype} page as stored).")
         slot = self._next
         self._next += 1  # a failed slot is never reused: a half-written chunk stays unreachable
         if (digests is None) != (self._digests is None):
