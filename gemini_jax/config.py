@@ -176,10 +176,11 @@ class CacheConfig:
 
     dtype: how K and V are stored. A float dtype (None: the model's), or "int8" / "float8_e4m3fn":
     each token's K and V in each kv head quantized with its own float32 scale (absmax), read back
-    in the model's dtype (gemini_jax.attention.kvquant). Quantized KV runs on the XLA path of the
-    contiguous and paged caches (sparse or not, over tiers or not: pages go down packed with their
-    scales; on a mesh, scales sharded by kv head with their data; the persistent prefix store keys
-    on the dtype), sessions and snapshots included.
+    in the model's dtype (gemini_jax.attention.kvquant). Quantized KV runs wherever float KV does:
+    the XLA path and the Pallas decode kernels (they read numbers and scales), the contiguous and
+    paged caches, sparse or not, over tiers (pages go down packed with their scales) or a mesh
+    (scales sharded by kv head with their data), the persistent prefix store (keyed on the dtype),
+    sessions and snapshots.
     """
 
     kind: str = "paged"
@@ -558,11 +559,6 @@ class EngineConfig:
             _require(sp.budget // c.block_size <= self.num_pages - 1,
                      f"sparse.budget={sp.budget} selects {sp.budget // c.block_size} pages (top-k) but the "
                      f"pool has only {self.num_pages - 1}; lower the budget or raise cache.num_pages.")
-
-        if c.quantized:  # what quantized KV runs on so far; each refusal names the field to change
-            _require(self.attention_impl == "xla",
-                     f"cache.dtype={c.dtype!r} is read on the XLA path only (the Pallas kernels take float "
-                     f"pages); set attention_impl='xla' (got {self.attention_impl!r}) or a float cache.dtype.")
 
         t = self.tier
         if t.enabled:

@@ -14,6 +14,15 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 PLATFORMS = (None, "tpu", "gpu")
+# Quantized pages: int8 or float8 (e4m3) numbers with one float32 scale per token and kv head
+# (`k_scales`, `v_scales` [num_kv_heads, num_pages, page_size]); a key reads back as k * scale.
+QUANT_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
+
+
+def dequantize(x, scale):
+    """Stored numbers [..., D] (float, or quantized with `scale` [...]) as float32."""
+    x = x.astype(jnp.float32)
+    return x if scale is None else x * scale.astype(jnp.float32)[..., None]
 
 
 def kernel_platform(platform: str | None) -> str:
@@ -39,9 +48,9 @@ def visible_pages(length, *, page_size: int, pages_per_seq: int, sliding_window:
 
 
 def check_inputs(q, k_pages, v_pages, block_tables, lengths, *, sm_scale, soft_cap,
-                 sliding_window):
+                 sliding_window, scales=None):
     """Static checks shared by every dense kernel and the reference; raises ValueError naming
-    the field."""
+    the field. `scales`: (k_scales, v_scales) of quantized pages, or None (pages in q's dtype)."""
     if q.ndim != 3:
         raise ValueError(f"{q.shape=} must be 3-D [batch, num_q_heads, head_dim].")
     if k_pages.ndim != 4:
@@ -55,8 +64,20 @@ def check_inputs(q, k_pages, v_pages, block_tables, lengths, *, sm_scale, soft_c
         raise ValueError(f"{lengths.shape=} must be 1-D [batch].")
     if not jnp.issubdtype(q.dtype, jnp.floating):
         raise ValueError(f"{q.dtype=} must be a floating dtype.")
-    if k_pages.dtype != q.dtype or v_pages.dtype != q.dtype:
-        raise ValueError(f"{k_pages.dtype=} and {v_pages.dtype=} must equal {q.dtype=}.")
+    if scales is None and (k_pages.dtype != q.dtype or v_pages.dtype != q.dtype):
+        raise ValueError(f"{k_pages.dtype=} and {v_pages.dtype=} must equal {q.dtype=} (quantized pages "
+                         f"come with k_scales and v_scales).")
+    if scales is not None:
+        k_scales, v_scales = scales
+        if (k_scales is None) != (v_scales is None):
+            raise ValueError("k_scales and v_scales come together (or neither: float pages).")
+        if k_pages.dtype not in QUANT_DTYPES or v_pages.dtype != k_pages.dtype:
+            raise ValueError(f"{k_pages.dtype=} and {v_pages.dtype=} must both be one of "
+                             f"{[d.name for d in QUANT_DTYPES]} when scales are given.")
+        for name, sc in (("k_scales", k_scales), ("v_scales", v_scales)):
+            if sc.shape != k_pages.shape[:-1] or sc.dtype != jnp.float32:
+                raise ValueError(f"{name} {sc.shape} {sc.dtype} must be float32 {k_pages.shape[:-1]} "
+                                 f"[num_kv_heads, num_pages, page_size]: one scale per stored vector.")
     if block_tables.dtype != jnp.int32:
         raise ValueError(f"{block_tables.dtype=} must be int32.")
     if lengths.dtype != jnp.int32:
@@ -88,10 +109,10 @@ def check_inputs(q, k_pages, v_pages, block_tables, lengths, *, sm_scale, soft_c
 
 
 def check_sparse_inputs(q, k_pages, v_pages, block_tables, lengths, selected, *, sm_scale,
-                        soft_cap, sliding_window):
+                        soft_cap, sliding_window, scales=None):
     """`check_inputs` plus the selection's; raises ValueError naming the field."""
     check_inputs(q, k_pages, v_pages, block_tables, lengths, sm_scale=sm_scale,
-                 soft_cap=soft_cap, sliding_window=sliding_window)
+                 soft_cap=soft_cap, sliding_window=sliding_window, scales=scales)
     if selected.ndim != 3:
         raise ValueError(f"{selected.shape=} must be 3-D [batch, num_kv_heads, num_slots].")
     if selected.dtype != jnp.int32:

@@ -18,6 +18,10 @@ How the kernel walks the pool:
 - online softmax in float32 (running max, running sum, accumulator in scratch), written out at
   the last page block.
 
+Quantized pages (int8 / float8_e4m3fn) come with `k_scales`, `v_scales` [Hkv, P, S] float32,
+one per stored vector: each step fetches a page's scales beside it (the same index map) and
+reads keys and values back as number * scale in float32, in the kernel.
+
 Backends: interpret mode (the default on CPU) runs everywhere; tests run it, and TPU interpret
 mode (`interpret=pltpu.InterpretParams(...)`) checks that no out-of-bounds page is read.
 Compiled, scalar prefetch exists only on TPU (that path has not been run on a TPU yet). GPU
@@ -36,7 +40,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.decode_common import check_inputs, kernel_platform, visible_pages
+from pallas_kernels.decode_common import check_inputs, dequantize, kernel_platform, visible_pages
 from pallas_kernels.paged_decode_gpu import paged_decode_attention_gpu
 
 
@@ -55,19 +59,27 @@ def _page_index_map(b, h, i, lengths_ref, block_tables_ref, *, offset, page_size
     return h, physical, 0, 0
 
 
+def _scale_index_map(*args, **kwargs):
+    """`_page_index_map` for the page's scales [Hkv, P, S] (one axis fewer)."""
+    return _page_index_map(*args, **kwargs)[:3]
+
+
 def _paged_decode_kernel(
     lengths_ref,  # i32[B] (scalar prefetch)
     block_tables_ref,  # i32[B, pages_per_seq] (scalar prefetch)
     q_ref,  # [G, D]
-    *refs,  # k page refs [S, D] x n, v page refs [S, D] x n, o_ref [G, D], scratch m, l, acc
+    *refs,  # k page refs [S, D] x n, v page refs [S, D] x n, (quantized: k, v scale refs [S] x n
+    #          each), o_ref [G, D], scratch m, l, acc
     sm_scale: float,
     soft_cap: float | None,
     sliding_window: int | None,
     pages_per_compute_block: int,
+    quantized: bool = False,
 ):
     n = pages_per_compute_block
     k_refs, v_refs = refs[:n], refs[n:2 * n]
-    o_ref, m_ref, l_ref, acc_ref = refs[2 * n:]
+    ks_refs, vs_refs = (refs[2 * n:3 * n], refs[3 * n:4 * n]) if quantized else ([None] * n, [None] * n)
+    o_ref, m_ref, l_ref, acc_ref = refs[4 * n:] if quantized else refs[2 * n:]
     b, i = pl.program_id(0), pl.program_id(2)
     page_size = k_refs[0].shape[0]
     length = lengths_ref[b]
@@ -85,10 +97,10 @@ def _paged_decode_kernel(
 
     @pl.when((block_start <= last_page) & (block_start + n - 1 >= first_page))
     def _attend():
-        q = q_ref[...]
+        q = q_ref[...].astype(jnp.float32) if quantized else q_ref[...]
         scores, values = [], []
         for t in range(n):
-            k = k_refs[t][...]
+            k = dequantize(k_refs[t][...], ks_refs[t][...]) if quantized else k_refs[t][...]
             s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                                 preferred_element_type=jnp.float32) * sm_scale  # [G, S]
             if soft_cap is not None:
@@ -100,7 +112,8 @@ def _paged_decode_kernel(
             scores.append(jnp.where(visible, s, -jnp.inf))
             # NOTE: masked rows of V are zeroed, not just weighted by 0: the unused tail of a
             # partially filled page may hold anything (NaN included), and 0 * NaN = NaN.
-            values.append(jnp.where(visible.T, v_refs[t][...], 0))
+            v = dequantize(v_refs[t][...], vs_refs[t][...]) if quantized else v_refs[t][...]
+            values.append(jnp.where(visible.T, v, 0))
 
         # Every block that reaches here holds at least one visible key, so m_next is finite.
         m_prev = m_ref[...]  # [G, 1]
@@ -141,6 +154,8 @@ def paged_decode_attention(
     pages_per_compute_block: int | None = None,
     interpret: bool | pltpu.InterpretParams | None = None,
     platform: str | None = None,
+    k_scales: jax.Array | None = None,  # f32[Hkv, P, S]: quantized pages
+    v_scales: jax.Array | None = None,
 ) -> jax.Array:  # [B, Hq, D], q.dtype
     """Decode attention of one query token per sequence over its pages of the KV pool.
 
@@ -151,7 +166,8 @@ def paged_decode_attention(
 
     Args:
       q: [B, Hq, D] the new token's (rotated) queries.
-      k_pages, v_pages: [Hkv, P, S, D] the page pool, q's dtype.
+      k_pages, v_pages: [Hkv, P, S, D] the page pool, q's dtype; or int8 / float8_e4m3fn with
+        `k_scales`, `v_scales` f32[Hkv, P, S] (a stored vector reads back as number * scale).
       block_tables: i32[B, pages_per_seq]; entry [b, i] is the physical page of sequence b's
         logical page i. Entries past a sequence's used pages are never read.
       lengths: i32[B], valid tokens per sequence, in [0, pages_per_seq * S]. A sequence of
@@ -180,9 +196,11 @@ def paged_decode_attention(
         return paged_decode_attention_gpu(
             q, k_pages, v_pages, block_tables, lengths, sm_scale=sm_scale, soft_cap=soft_cap,
             sliding_window=sliding_window, pages_per_step=pages_per_compute_block,
-            interpret=interpret)
+            interpret=interpret, k_scales=k_scales, v_scales=v_scales)
+    quantized = k_scales is not None or v_scales is not None
     check_inputs(q, k_pages, v_pages, block_tables, lengths, sm_scale=sm_scale,
-                 soft_cap=soft_cap, sliding_window=sliding_window)
+                 soft_cap=soft_cap, sliding_window=sliding_window,
+                 scales=(k_scales, v_scales) if quantized else None)
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
     pages_per_seq = block_tables.shape[1]
@@ -206,14 +224,21 @@ def paged_decode_attention(
                                        pages_per_compute_block=n, sliding_window=sliding_window))
         for t in range(n)
     ]
+    scale_specs = [
+        pl.BlockSpec((None, None, page_size),
+                     functools.partial(_scale_index_map, offset=t, page_size=page_size,
+                                       pages_per_compute_block=n, sliding_window=sliding_window))
+        for t in range(n)
+    ] if quantized else []
     kernel = functools.partial(_paged_decode_kernel, sm_scale=sm_scale, soft_cap=soft_cap,
-                               sliding_window=sliding_window, pages_per_compute_block=n)
+                               sliding_window=sliding_window, pages_per_compute_block=n,
+                               quantized=quantized)
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=(batch, num_kv_heads, pl.cdiv(pages_per_seq, n)),
-            in_specs=[qo_spec, *page_specs, *page_specs],
+            in_specs=[qo_spec, *page_specs, *page_specs, *scale_specs, *scale_specs],
             out_specs=qo_spec,
             scratch_shapes=[
                 pltpu.VMEM((group, 1), jnp.float32),  # running max
@@ -226,7 +251,8 @@ def paged_decode_attention(
             dimension_semantics=("parallel", "parallel", "arbitrary")),
         interpret=interpret,
         name=f"paged_decode_{page_size=}_{n=}",
-    )(lengths, block_tables, q_grouped, *([k_pages] * n), *([v_pages] * n))
+    )(lengths, block_tables, q_grouped, *([k_pages] * n), *([v_pages] * n),
+      *(([k_scales] * n + [v_scales] * n) if quantized else []))
     return out.reshape(batch, num_q_heads, head_dim)
 
 
@@ -241,22 +267,26 @@ def paged_decode_attention_reference(
     sm_scale: float,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
 ) -> jax.Array:  # [B, Hq, D], q.dtype
     """Plain-jnp `paged_decode_attention`: gather every block-table page, mask, softmax in f32.
 
     Same semantics and errors (ValueError); a sequence of length 0 returns zeros.
     """
+    quantized = k_scales is not None or v_scales is not None
     check_inputs(q, k_pages, v_pages, block_tables, lengths, sm_scale=sm_scale,
-                 soft_cap=soft_cap, sliding_window=sliding_window)
+                 soft_cap=soft_cap, sliding_window=sliding_window,
+                 scales=(k_scales, v_scales) if quantized else None)
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
     num_keys = block_tables.shape[1] * page_size
 
-    def gather(pages):  # [Hkv, P, S, D] -> [B, Hkv, T, D] in float32
-        g = pages[:, block_tables].astype(jnp.float32)  # [Hkv, B, W, S, D]
+    def gather(pages, scales):  # [Hkv, P, S, D] -> [B, Hkv, T, D] in float32
+        g = dequantize(pages[:, block_tables], None if scales is None else scales[:, block_tables])
         return g.reshape(num_kv_heads, batch, num_keys, head_dim).transpose(1, 0, 2, 3)
 
-    k, v = gather(k_pages), gather(v_pages)
+    k, v = gather(k_pages, k_scales), gather(v_pages, v_scales)
     qg = q.astype(jnp.float32).reshape(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
     exact = jax.lax.Precision.HIGHEST  # TPU would otherwise run f32 matmuls in one bf16 pass
     scores = jnp.einsum("bhgd,bhtd->bhgt", qg, k, precision=exact) * sm_scale

@@ -18,6 +18,10 @@ way the kernel walks the pool differs, because Triton has no scalar prefetch:
   max and running sum, and `merge_splits` (plain jnp, outside the kernel) combines them by
   log-sum-exp. Scores and accumulation are float32 for f16 / bf16 / f32 inputs.
 
+Quantized pages (int8 / float8_e4m3fn with `k_scales`, `v_scales` f32[Hkv, P, S]): each step
+also gathers its keys' scales (masked alike) and reads keys and values back as number * scale in
+float32, so scores and accumulation are float32 as for float pools.
+
 Compiled on a CUDA backend; `interpret=True` (the default off GPU) runs the same kernel on any
 backend, and `jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))` compiles it to a
 Triton custom call from a CPU host. Triton tensors have power-of-two shapes: the group, the page
@@ -57,15 +61,17 @@ def default_k_splits(batch: int, num_kv_heads: int, num_steps: int) -> int:
     return max(1, min(num_steps, pl.cdiv(TARGET_PROGRAMS, batch * num_kv_heads)))
 
 
-def attend_pages_step(carry, q, k_ref, v_ref, physical, logical, page_ok, *, length, first_key,
+def attend_pages_step(carry, q, pools, physical, logical, page_ok, *, length, first_key,
                       sm_scale, soft_cap):
     """One online-softmax step of a program over `n` gathered pages.
 
     carry: (m f32[Gp], l f32[Gp], acc f32[Gp, Dp]); q: [Gp, Dp] (zero padded);
-    k_ref, v_ref: [num_pages, S, D] one kv head's pool; physical, logical: i32[n] page ids;
+    pools: (k_ref, v_ref) [num_pages, S, D] one kv head's pool, + (k_scale_ref, v_scale_ref)
+    [num_pages, S] when quantized; physical, logical: i32[n] page ids;
     page_ok: bool[n], False for the step's pages past its range (their ids are never used).
     The first of the n pages must hold a visible key (so the running max stays finite).
     """
+    k_ref, v_ref = pools[:2]
     m_prev, l_prev, acc_prev = carry
     n = physical.shape[0]
     _, page_size, head_dim = k_ref.shape
@@ -83,6 +89,12 @@ def attend_pages_step(carry, q, k_ref, v_ref, physical, logical, page_ok, *, len
     mask = visible[:, :, None] if block_d == head_dim else visible[:, :, None] & (d < head_dim)
     k = plgpu.load(k_ref.at[rows], mask=mask, other=0).reshape(n * block_s, block_d)
     v = plgpu.load(v_ref.at[rows], mask=mask, other=0).reshape(n * block_s, block_d)
+    if len(pools) == 4:  # quantized: each key's and value's scale, masked like the key (a NaN scale
+        # of an invisible slot is never loaded)
+        at = (rows[0][:, :, 0], slot)
+        ks = plgpu.load(pools[2].at[at], mask=visible, other=0).reshape(n * block_s, 1)
+        vs = plgpu.load(pools[3].at[at], mask=visible, other=0).reshape(n * block_s, 1)
+        k, v, q = k.astype(jnp.float32) * ks, v.astype(jnp.float32) * vs, q.astype(jnp.float32)
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None  # f32: no TF32
     s = plgpu.dot(q, k, trans_b=True, precision=precision) * sm_scale  # f32[Gp, n * Sp]
     if soft_cap is not None:
@@ -119,15 +131,17 @@ def merge_splits(o, m, l, *, group: int, head_dim: int, dtype):
 
 
 def split_k_call(kernel, index_inputs, q_blocks, k_pages, v_pages, *, splits, num_warps,
-                 num_stages, interpret, name):
+                 num_stages, interpret, name, scales=()):
     """Run `kernel` over grid (batch, kv_head, split) -> per-split (o, m, l) for `merge_splits`.
 
     `index_inputs` (lengths, tables, selections: small int32 arrays) go in whole, as pointers;
-    each program gets its (b, h) query block [Gp, Dp] and its kv head's whole pool [P, S, D].
+    each program gets its (b, h) query block [Gp, Dp] and its kv head's whole pool [P, S, D]
+    (and, `scales` = (k_scales, v_scales) of quantized pages, its scales [P, S]).
     """
     batch, num_kv_heads, block_g, block_d = q_blocks.shape
     _, num_pages, page_size, head_dim = k_pages.shape
     pool_spec = pl.BlockSpec((None, num_pages, page_size, head_dim), lambda b, h, s: (h, 0, 0, 0))
+    scale_spec = pl.BlockSpec((None, num_pages, page_size), lambda b, h, s: (h, 0, 0))
     index_specs = [pl.BlockSpec(x.shape, lambda b, h, s, nd=x.ndim: (0,) * nd)
                    for x in index_inputs]
     partial_shape = (splits, batch, num_kv_heads, block_g)
@@ -139,6 +153,7 @@ def split_k_call(kernel, index_inputs, q_blocks, k_pages, v_pages, *, splits, nu
             pl.BlockSpec((None, None, block_g, block_d), lambda b, h, s: (b, h, 0, 0)),
             pool_spec,
             pool_spec,
+            *([scale_spec] * len(scales)),
         ],
         out_specs=[
             pl.BlockSpec((None, None, None, block_g, block_d), lambda b, h, s: (s, b, h, 0, 0)),
@@ -153,25 +168,24 @@ def split_k_call(kernel, index_inputs, q_blocks, k_pages, v_pages, *, splits, nu
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=name,
-    )(*index_inputs, q_blocks, k_pages, v_pages)
+    )(*index_inputs, q_blocks, k_pages, v_pages, *scales)
 
 
 def _paged_decode_gpu_kernel(
     lengths_ref,  # i32[B]
     tables_ref,  # i32[B, pages_per_seq]
     q_ref,  # [Gp, Dp]
-    k_ref,  # [P, S, D] this kv head's pool
-    v_ref,  # [P, S, D]
-    o_ref,  # f32[Gp, Dp] this split's unnormalised accumulator
-    m_ref,  # f32[Gp] running max
-    l_ref,  # f32[Gp] running sum
-    *,
+    *refs,  # k_ref, v_ref [P, S, D] this kv head's pool (+ k, v scale refs [P, S] when
+    #          quantized), then o_ref f32[Gp, Dp] this split's unnormalised accumulator,
+    #          m_ref, l_ref f32[Gp] running max and sum
     sm_scale: float,
     soft_cap: float | None,
     sliding_window: int | None,
     pages_per_step: int,
     pages_per_split: int,
 ):
+    pools, (o_ref, m_ref, l_ref) = refs[:-3], refs[-3:]
+    k_ref = pools[0]
     b, split = pl.program_id(0), pl.program_id(2)
     n = pages_per_step
     page_size = k_ref.shape[1]
@@ -190,7 +204,7 @@ def _paged_decode_gpu_kernel(
         logical = start + lax.broadcasted_iota(jnp.int32, (n,), 0)
         page_ok = logical < hi
         physical = plgpu.load(tables_ref.at[b, pl.ds(start, n)], mask=page_ok, other=0)
-        return attend_pages_step(carry, q, k_ref, v_ref, physical, logical, page_ok,
+        return attend_pages_step(carry, q, pools, physical, logical, page_ok,
                                  length=length, first_key=first_key, sm_scale=sm_scale,
                                  soft_cap=soft_cap)
 
@@ -243,6 +257,8 @@ def paged_decode_attention_gpu(
     num_warps: int = 4,
     num_stages: int = 2,
     interpret: bool | None = None,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
 ) -> jax.Array:  # [B, Hq, D], q.dtype
     """`paged_decode_attention` (same semantics, arguments and ValueErrors) as a Triton kernel.
 
@@ -251,8 +267,9 @@ def paged_decode_attention_gpu(
     (None: enough programs to fill an H100-class GPU); `num_warps`, `num_stages` go to Triton.
     `interpret`: None runs compiled on a GPU backend and in interpret mode elsewhere.
     """
+    scales = () if k_scales is None and v_scales is None else (k_scales, v_scales)
     check_inputs(q, k_pages, v_pages, block_tables, lengths, sm_scale=sm_scale,
-                 soft_cap=soft_cap, sliding_window=sliding_window)
+                 soft_cap=soft_cap, sliding_window=sliding_window, scales=scales or None)
     check_gpu_knobs(pages_per_step=pages_per_step, k_splits=k_splits, num_warps=num_warps,
                     num_stages=num_stages)
     batch, num_q_heads, head_dim = q.shape
@@ -272,6 +289,7 @@ def paged_decode_attention_gpu(
         sliding_window=sliding_window, pages_per_step=n, pages_per_split=pages_per_split)
     o, m, l = split_k_call(kernel, [lengths, block_tables], q_blocks, k_pages, v_pages,
                            splits=splits, num_warps=num_warps, num_stages=num_stages,
-                           interpret=interpret, name=f"paged_decode_gpu_{page_size=}_{n=}")
+                           interpret=interpret, name=f"paged_decode_gpu_{page_size=}_{n=}",
+                           scales=scales)
     return merge_splits(o, m, l, group=num_q_heads // num_kv_heads, head_dim=head_dim,
                         dtype=q.dtype)

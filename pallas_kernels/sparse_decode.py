@@ -41,8 +41,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.decode_common import (check_sparse_inputs, kernel_platform, pack_selection,
-                                          visible_pages, visible_selection)
+from pallas_kernels.decode_common import (check_sparse_inputs, dequantize, kernel_platform,
+                                          pack_selection, visible_pages, visible_selection)
 from pallas_kernels.sparse_decode_gpu import sparse_decode_attention_gpu
 
 
@@ -61,6 +61,11 @@ def _slot_index_map(b, h, j, lengths_ref, block_tables_ref, packed_ref, counts_r
     return h, physical, 0, 0
 
 
+def _slot_scale_index_map(*args, **kwargs):
+    """`_slot_index_map` for the page's scales [Hkv, P, S] (quantized pages)."""
+    return _slot_index_map(*args, **kwargs)[:3]
+
+
 def _sparse_decode_kernel(
     lengths_ref,  # i32[B] (scalar prefetch)
     block_tables_ref,  # i32[B, pages_per_seq] (scalar prefetch)
@@ -69,15 +74,14 @@ def _sparse_decode_kernel(
     q_ref,  # [G, D]
     k_ref,  # [S, D]
     v_ref,  # [S, D]
-    o_ref,  # [G, D]
-    m_ref,  # f32[G, 1] running max
-    l_ref,  # f32[G, 1] running sum
-    acc_ref,  # f32[G, D] accumulator
-    *,
+    *refs,  # (quantized: k, v scale refs [S]), o_ref [G, D], scratch m, l f32[G, 1], acc f32[G, D]
     sm_scale: float,
     soft_cap: float | None,
     sliding_window: int | None,
+    quantized: bool = False,
 ):
+    ks_ref, vs_ref = refs[:2] if quantized else (None, None)
+    o_ref, m_ref, l_ref, acc_ref = refs[2:] if quantized else refs
     b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     num_slots = pl.num_programs(2)
     row = b * pl.num_programs(1) + h
@@ -95,7 +99,9 @@ def _sparse_decode_kernel(
 
     @pl.when(j < counts_ref[row])
     def _attend():
-        s = lax.dot_general(q_ref[...], k_ref[...], (((1,), (1,)), ((), ())),
+        q = q_ref[...].astype(jnp.float32) if quantized else q_ref[...]
+        k = dequantize(k_ref[...], ks_ref[...]) if quantized else k_ref[...]
+        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                             preferred_element_type=jnp.float32) * sm_scale  # [G, S]
         if soft_cap is not None:
             s = jnp.tanh(s / soft_cap) * soft_cap
@@ -105,7 +111,7 @@ def _sparse_decode_kernel(
         s = jnp.where(visible, s, -jnp.inf)
         # NOTE: masked rows of V are zeroed, not just weighted by 0: the unused tail of a
         # partially filled page may hold anything (NaN included), and 0 * NaN = NaN.
-        v = jnp.where(visible.T, v_ref[...], 0)
+        v = jnp.where(visible.T, dequantize(v_ref[...], vs_ref[...]) if quantized else v_ref[...], 0)
 
         # Packing kept only pages holding a visible key, so m_next is finite.
         m_prev = m_ref[...]  # [G, 1]
@@ -139,6 +145,8 @@ def sparse_decode_attention(
     sliding_window: int | None = None,
     interpret: bool | pltpu.InterpretParams | None = None,
     platform: str | None = None,
+    k_scales: jax.Array | None = None,  # f32[Hkv, P, S]: quantized pages
+    v_scales: jax.Array | None = None,
 ) -> jax.Array:  # [B, Hq, D], q.dtype
     """Decode attention of one query token per sequence over the selected pages of the KV pool.
 
@@ -151,7 +159,8 @@ def sparse_decode_attention(
 
     Args:
       q: [B, Hq, D] the new token's (rotated) queries.
-      k_pages, v_pages: [Hkv, P, S, D] the page pool, q's dtype.
+      k_pages, v_pages: [Hkv, P, S, D] the page pool, q's dtype; or int8 / float8_e4m3fn with
+        `k_scales`, `v_scales` f32[Hkv, P, S] (a stored vector reads back as number * scale).
       block_tables: i32[B, pages_per_seq]; entry [b, i] is the physical page of sequence b's
         logical page i. Only entries of selected pages holding a visible key are read.
       lengths: i32[B], valid tokens per sequence, in [0, pages_per_seq * S].
@@ -182,9 +191,12 @@ def sparse_decode_attention(
             raise ValueError(f"{interpret=} is TPU interpret mode; the GPU kernel takes a bool.")
         return sparse_decode_attention_gpu(
             q, k_pages, v_pages, block_tables, lengths, selected, sm_scale=sm_scale,
-            soft_cap=soft_cap, sliding_window=sliding_window, interpret=interpret)
+            soft_cap=soft_cap, sliding_window=sliding_window, interpret=interpret,
+            k_scales=k_scales, v_scales=v_scales)
+    quantized = k_scales is not None or v_scales is not None
     check_sparse_inputs(q, k_pages, v_pages, block_tables, lengths, selected, sm_scale=sm_scale,
-                         soft_cap=soft_cap, sliding_window=sliding_window)
+                         soft_cap=soft_cap, sliding_window=sliding_window,
+                         scales=(k_scales, v_scales) if quantized else None)
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
     pages_per_seq = block_tables.shape[1]
@@ -210,14 +222,17 @@ def sparse_decode_attention(
     page_spec = pl.BlockSpec(
         (None, None, page_size, head_dim),
         functools.partial(_slot_index_map, num_kv_heads=num_kv_heads, num_slots=num_slots))
+    scale_spec = pl.BlockSpec(
+        (None, None, page_size),
+        functools.partial(_slot_scale_index_map, num_kv_heads=num_kv_heads, num_slots=num_slots))
     kernel = functools.partial(_sparse_decode_kernel, sm_scale=sm_scale, soft_cap=soft_cap,
-                               sliding_window=sliding_window)
+                               sliding_window=sliding_window, quantized=quantized)
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4,
             grid=(batch, num_kv_heads, num_slots),
-            in_specs=[qo_spec, page_spec, page_spec],
+            in_specs=[qo_spec, page_spec, page_spec, *([scale_spec] * (2 if quantized else 0))],
             out_specs=qo_spec,
             scratch_shapes=[
                 pltpu.VMEM((group, 1), jnp.float32),  # running max
@@ -230,7 +245,8 @@ def sparse_decode_attention(
             dimension_semantics=("parallel", "parallel", "arbitrary")),
         interpret=interpret,
         name=f"sparse_decode_{page_size=}",
-    )(lengths, block_tables, packed, counts, q_grouped, k_pages, v_pages)
+    )(lengths, block_tables, packed, counts, q_grouped, k_pages, v_pages,
+      *((k_scales, v_scales) if quantized else ()))
     return out.reshape(batch, num_q_heads, head_dim)
 
 
@@ -246,12 +262,16 @@ def sparse_decode_attention_reference(
     sm_scale: float,
     soft_cap: float | None = None,
     sliding_window: int | None = None,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
 ) -> jax.Array:  # [B, Hq, D], q.dtype
     """Plain-jnp `sparse_decode_attention`: gather each (b, h)'s selected pages, mask, softmax in
     f32. Same semantics and errors (ValueError); a (b, h) with nothing visible returns zeros.
     """
+    quantized = k_scales is not None or v_scales is not None
     check_sparse_inputs(q, k_pages, v_pages, block_tables, lengths, selected, sm_scale=sm_scale,
-                         soft_cap=soft_cap, sliding_window=sliding_window)
+                         soft_cap=soft_cap, sliding_window=sliding_window,
+                         scales=(k_scales, v_scales) if quantized else None)
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
     num_keys = selected.shape[2] * page_size
@@ -262,11 +282,12 @@ def sparse_decode_attention_reference(
     logical = jnp.where(usable, selected, 0)
     physical = jnp.where(usable, block_tables[jnp.arange(batch)[:, None, None], logical], 0)
 
-    def gather(pages):  # [Hkv, P, S, D] -> [B, Hkv, T, D] in float32
-        g = pages[jnp.arange(num_kv_heads)[None, :, None], physical]  # [B, Hkv, K, S, D]
-        return g.astype(jnp.float32).reshape(batch, num_kv_heads, num_keys, head_dim)
+    def gather(pages, scales):  # [Hkv, P, S, D] -> [B, Hkv, T, D] in float32
+        at = (jnp.arange(num_kv_heads)[None, :, None], physical)
+        g = dequantize(pages[at], None if scales is None else scales[at])  # [B, Hkv, K, S, D]
+        return g.reshape(batch, num_kv_heads, num_keys, head_dim)
 
-    k, v = gather(k_pages), gather(v_pages)
+    k, v = gather(k_pages, k_scales), gather(v_pages, v_scales)
     qg = q.astype(jnp.float32).reshape(batch, num_kv_heads, num_q_heads // num_kv_heads, head_dim)
     exact = jax.lax.Precision.HIGHEST  # TPU would otherwise run f32 matmuls in one bf16 pass
     scores = jnp.einsum("bhgd,bhtd->bhgt", qg, k, precision=exact) * sm_scale

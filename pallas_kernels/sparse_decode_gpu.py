@@ -37,12 +37,8 @@ def _sparse_decode_gpu_kernel(
     logical_ref,  # i32[B, Hkv, K] packed selected logical pages
     physical_ref,  # i32[B, Hkv, K] their physical pages
     q_ref,  # [Gp, Dp]
-    k_ref,  # [P, S, D] this kv head's pool
-    v_ref,  # [P, S, D]
-    o_ref,  # f32[Gp, Dp] this split's unnormalised accumulator
-    m_ref,  # f32[Gp] running max
-    l_ref,  # f32[Gp] running sum
-    *,
+    *refs,  # k_ref, v_ref [P, S, D] this kv head's pool (+ k, v scale refs [P, S] when
+    #          quantized), then o_ref, m_ref, l_ref as `_paged_decode_gpu_kernel`'s
     sm_scale: float,
     soft_cap: float | None,
     sliding_window: int | None,
@@ -50,6 +46,8 @@ def _sparse_decode_gpu_kernel(
     slots_per_split: int,
     pages_per_seq: int,
 ):
+    pools, (o_ref, m_ref, l_ref) = refs[:-3], refs[-3:]
+    k_ref = pools[0]
     b, h, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     n = pages_per_step
     length = lengths_ref[b]
@@ -65,7 +63,7 @@ def _sparse_decode_gpu_kernel(
         page_ok = start + lax.broadcasted_iota(jnp.int32, (n,), 0) < hi
         logical = plgpu.load(logical_ref.at[b, h, pl.ds(start, n)], mask=page_ok, other=0)
         physical = plgpu.load(physical_ref.at[b, h, pl.ds(start, n)], mask=page_ok, other=0)
-        return attend_pages_step(carry, q, k_ref, v_ref, physical, logical, page_ok,
+        return attend_pages_step(carry, q, pools, physical, logical, page_ok,
                                  length=length, first_key=first_key, sm_scale=sm_scale,
                                  soft_cap=soft_cap)
 
@@ -97,13 +95,16 @@ def sparse_decode_attention_gpu(
     num_warps: int = 4,
     num_stages: int = 2,
     interpret: bool | None = None,
+    k_scales: jax.Array | None = None,
+    v_scales: jax.Array | None = None,
 ) -> jax.Array:  # [B, Hq, D], q.dtype
     """`sparse_decode_attention` (same semantics, arguments and ValueErrors) as a Triton kernel.
 
     Knobs as `paged_decode_attention_gpu`'s, counted in selection slots instead of pages.
     """
+    scales = () if k_scales is None and v_scales is None else (k_scales, v_scales)
     check_sparse_inputs(q, k_pages, v_pages, block_tables, lengths, selected, sm_scale=sm_scale,
-                        soft_cap=soft_cap, sliding_window=sliding_window)
+                        soft_cap=soft_cap, sliding_window=sliding_window, scales=scales or None)
     check_gpu_knobs(pages_per_step=pages_per_step, k_splits=k_splits, num_warps=num_warps,
                     num_stages=num_stages)
     batch, num_q_heads, head_dim = q.shape
@@ -131,6 +132,7 @@ def sparse_decode_attention_gpu(
         pages_per_seq=pages_per_seq)
     o, m, l = split_k_call(kernel, [lengths, counts, logical, physical], q_blocks, k_pages,
                            v_pages, splits=splits, num_warps=num_warps, num_stages=num_stages,
-                           interpret=interpret, name=f"sparse_decode_gpu_{page_size=}_{n=}")
+                           interpret=interpret, name=f"sparse_decode_gpu_{page_size=}_{n=}",
+                           scales=scales)
     return merge_splits(o, m, l, group=num_q_heads // num_kv_heads, head_dim=head_dim,
                         dtype=q.dtype)

@@ -244,10 +244,21 @@ def test_quantized_kv_on_a_mesh_shards_scales_with_their_data():
     assert r["mesh_tiers"]["fetched"] > 0, r  # pages went below and came back
 
 
-def test_quantized_kv_refuses_what_it_does_not_run_on_by_name():
+def test_an_unknown_kv_dtype_is_refused_by_name():
     with pytest.raises(ConfigError, match="cache.dtype='int4'"):
         gj.config.CacheConfig(dtype="int4")
-    for over, field in ((dict(attention_impl="pallas"), "attention_impl"),
-                        (dict(tier=dict(persistent=True, disk_path="/nonexistent")), "tier.persistent")):
-        with pytest.raises(ConfigError, match=field):
-            gj.config.from_dict(gj.EngineConfig, dict(cache=dict(dtype="int8"), **over))
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_pallas_kernels_decode_quantized_pages_as_the_xla_path_does(model, sparse):
+    """attention_impl=pallas (the kernels in interpret mode on CPU) reads int8 pages and their
+    scales: the XLA path's tokens, logits to 1e-3 (the kernel sums in another order, and a key an
+    ulp from an int8 step boundary can land on the other step; see the tiers test)."""
+    seed = 39
+    prompt, _ = _request(seed, model.cfg.vocab_size, n_prompt=40)
+    p = gj.SamplingParams(max_new_tokens=4, **GREEDY)
+    over = dict(sparse=dict(enabled=True, budget=24, sink_pages=1, local_pages=1)) if sparse else {}
+    xla = _engine(model, "int8", **over).generate(prompt, p, return_logits=True)
+    pallas = _engine(model, "int8", attention_impl="pallas", **over).generate(prompt, p, return_logits=True)
+    assert pallas.tokens == xla.tokens, f"seed={seed} sparse={sparse}"
+    np.testing.assert_allclose(pallas.logits, xla.logits, atol=1e-3, rtol=0, err_msg=f"seed={seed} sparse={sparse}")

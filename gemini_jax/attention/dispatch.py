@@ -87,9 +87,11 @@ def attend_pages(spec: AttentionImpl, queries, kv_layer, view: PageView, window,
         kv_layer = (kv_layer[0][layer], kv_layer[1][layer])
     k_layer, v_layer = kv_layer
     if spec.impl == "pallas" and q.shape[1] == 1:
+        (k, ks), (v, vs) = kvquant.kernel_operands(k_layer), kvquant.kernel_operands(v_layer)
         return _by_window(spec, window, lambda w: lambda: paged_decode_attention(
-            q[:, 0], k_layer, v_layer, view.tables, view.lengths, sm_scale=spec.scale, soft_cap=spec.cap,
-            sliding_window=(w or None), interpret=spec.interpret, platform=kernel_platform(spec))[:, None])
+            q[:, 0], k, v, view.tables, view.lengths, sm_scale=spec.scale, soft_cap=spec.cap,
+            sliding_window=(w or None), interpret=spec.interpret, platform=kernel_platform(spec),
+            k_scales=ks, v_scales=vs)[:, None])
     kk = gather_pages(k_layer, view.tables, q.dtype)
     vv = gather_pages(v_layer, view.tables, q.dtype)
     k_pos = jnp.broadcast_to(jnp.arange(kk.shape[1], dtype=jnp.int32), kk.shape[:2])
@@ -103,11 +105,11 @@ def attend_selected(spec: AttentionImpl, queries, kv_layer, view: PageView, sel:
     return_lse (XLA path), also the log-sum-exp that merges it with attention over other pages."""
     q, _ = queries
     if spec.impl == "pallas" and q.shape[1] == 1 and sel.shift is None and not return_lse:
-        k_layer, v_layer = kv_layer
+        (k, ks), (v, vs) = kvquant.kernel_operands(kv_layer[0]), kvquant.kernel_operands(kv_layer[1])
         return _by_window(spec, window, lambda w: lambda: sparse_decode_attention(
-            q[:, 0], k_layer, v_layer, view.tables, view.lengths, sel.pages, sm_scale=spec.scale,
+            q[:, 0], k, v, view.tables, view.lengths, sel.pages, sm_scale=spec.scale,
             soft_cap=spec.cap, sliding_window=(w or None), interpret=spec.interpret,
-            platform=kernel_platform(spec))[:, None])
+            platform=kernel_platform(spec), k_scales=ks, v_scales=vs)[:, None])
     return sparse_attention(queries, kv_layer, view, sel, scale=spec.scale, cap=spec.cap, window=window,
                             return_lse=return_lse)
 

@@ -110,6 +110,18 @@ def read(x, dtype):
     return x.astype(dtype)
 
 
+def kernel_operands(x):
+    """Stored KV as the Pallas kernels take it: (numbers, scales). Float pages -> (x, None);
+    QuantPages -> (int8 or float8_e4m3fn numbers, f32 scales), float8 bytes bitcast back to
+    their format (free: the same bits)."""
+    if not isinstance(x, QuantPages):
+        return x, None
+    data = x.data
+    if data.dtype == jnp.uint8:
+        data = jax.lax.bitcast_convert_type(data, jnp.float8_e4m3fn)
+    return data, x.scale
+
+
 def write(pool, idx, values, mode: str | None = None):
     """`pool` with `values` set at `idx` (`pool.at[idx].set`): float values into a quantized pool are
     quantized first; QuantPages values (copied pages, a restored image) are set as they are."""
