@@ -20,9 +20,9 @@ seed = int(sys.argv[1])
 rng = np.random.default_rng(seed)
 cfg = tiny_config("llama", num_heads=4, num_kv_heads=2, head_dim=32, hidden_size=128, intermediate_size=256)
 model = random_model(cfg, seed % 1000)
-prompt = random_prompts(rng, cfg.vocab_size, (150,))[0]
-params = gj.SamplingParams(max_new_tokens=8, temperature=0.0, stop_at_eos=False)
-base = dict(max_seq_len=256, max_batch=1, prefill_chunk=32, cache=dict(block_size=8, dtype="int8"),
+prompt = random_prompts(rng, cfg.vocab_size, (90,))[0]
+params = gj.SamplingParams(max_new_tokens=5, temperature=0.0, stop_at_eos=False)
+base = dict(max_seq_len=128, max_batch=1, prefill_chunk=32, cache=dict(block_size=8, dtype="int8"),
             sparse=dict(enabled=True, budget=48, sink_pages=1, local_pages=1))
 tier = dict(enabled=True, device_fraction=0.5, prefetch_depth=2, hot_threshold=0)
 report = {"seed": seed, "devices": jax.device_count()}

@@ -195,8 +195,8 @@ def test_tiered_quantized_decode_matches_the_pool_and_holds_a_quarter_of_the_byt
     That the tiers themselves change no byte is the test above."""
     seed = 36
     model = random_model(tiny_config("llama", head_dim=64), seed)
-    prompt, _ = _request(seed, model.cfg.vocab_size, n_prompt=200)
-    p = gj.SamplingParams(max_new_tokens=10, **GREEDY)
+    prompt, _ = _request(seed, model.cfg.vocab_size, n_prompt=120)  # 15 pages a layer > 12 slots
+    p = gj.SamplingParams(max_new_tokens=6, **GREEDY)
     # 10%: 12 slots a layer, room for 2 kv heads x 4 selected pages + pins (a one-program step).
     sp = dict(enabled=True, budget=32, sink_pages=1, local_pages=1)
     base = dict(max_seq_len=512, prefill_chunk=32, max_batch=2, sparse=sp)
