@@ -204,19 +204,28 @@ def run_ruler(cfg, model, tok, desc):
     eng = gj.Engine(model, _engine_for(cfg, max(lengths) + 128, model))  # + the longest answer
     draw = Draw(str(ex.split), int(cfg.seed))
     hay = _haystack(ex.haystack)
-    results = [ruler(eng, str(t), lengths, trials=int(ex.trials), haystack=hay, draw=draw,
-                     batch=int(ex.batch), kind=str(ex.kind)) for t in ex.tasks]
+    results, reads = [], {}
+    for t in ex.tasks:
+        before = dict(eng.stats)
+        results.append(ruler(eng, str(t), lengths, trials=int(ex.trials), haystack=hay, draw=draw,
+                             batch=int(ex.batch), kind=str(ex.kind)))
+        # KV (and digest) bytes one sequence read per generated token, over the task's lengths.
+        steps = max(eng.stats["decode_steps"] - before["decode_steps"], 1) * int(ex.batch)
+        reads[str(t)] = {k: (eng.stats[k] - before[k]) / steps for k in ("kv_bytes_read", "digest_bytes_read")}
     rows = [{"task": r.task, **row} for r in results for row in r.by_length()]
     result = make_record("ruler", StudyResult(
         name=ex.out_name, records=[{"task": r.task, **x} for r in results for x in r.records],
         split=draw.split, seeds=[draw.seed],
-        extra={"by_task_length": rows, "model": desc, "engine": OmegaConf.to_container(cfg.engine)}),
+        extra={"by_task_length": rows, "bytes_per_token": reads, "model": desc, "engine": OmegaConf.to_container(cfg.engine)}),
         command=job_command(), config=OmegaConf.to_container(ex, resolve=True))
     md = (f"### RULER-style tasks ({desc}; {draw.split} trials, {ex.kind} keys)\n\n"
           "Exact match with its 95% Wilson interval; recall: the share of expected answers named.\n\n"
           "| task | length | exact | 95% interval | recall |\n|---|---|---|---|---|\n"
           + "".join(f"| {r['task']} | {r['length']} | {r['hits']}/{r['trials']} | "
-                    f"[{100 * r['ci95'][0]:.1f}, {100 * r['ci95'][1]:.1f}]% | {r['recall']:.2f} |\n" for r in rows))
+                    f"[{100 * r['ci95'][0]:.1f}, {100 * r['ci95'][1]:.1f}]% | {r['recall']:.2f} |\n" for r in rows)
+          + "\nKV bytes read per generated token (all layers, one sequence; digests beside): "
+          + "; ".join(f"{t} {b['kv_bytes_read']:,.0f} (+{b['digest_bytes_read']:,.0f})" for t, b in reads.items())
+          + ".\n")
     paths = write_record(os.path.join(ROOT, cfg.results_dir), result, md)
     print(md, end="")
     print(f"{'written':<28}{paths['md']}")

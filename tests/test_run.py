@@ -80,3 +80,10 @@ def test_ruler_job_writes_a_record_whose_verdicts_follow_from_its_answers(tmp_pa
         ex = ruler.RulerExample(r["task"], np.zeros(1, np.int32), tuple(r["answers"]), r["task"] != "fwe")
         assert (r["exact"], r["recall"]) == ruler.score(r["generated"], ex), r
     assert "| niah_single | 512 |" in proc.stdout
+    # Dense: every step reads the whole ~512-token sequence's K and V, and no digests.
+    from gemini_jax.tiny import load_tiny
+    cfg = load_tiny().cfg
+    whole = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4 * 512
+    for task in ("niah_single", "fwe"):
+        b = rec["bytes_per_token"][task]
+        assert 0.9 * whole <= b["kv_bytes_read"] <= 1.2 * whole and b["digest_bytes_read"] == 0, (task, b, whole)
