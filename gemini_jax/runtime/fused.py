@@ -165,8 +165,11 @@ class FusedDecode:
         """Whether a step of B sequences runs as one program (else: layer by layer)."""
         ctx, store = self.ctx, self.store
         sp = ctx.config.sparse
+        # Quantized pools run layer by layer: XLA's CPU compiler crashed (SIGSEGV) once compiling
+        # the one-program step over int8 slots, and the crash did not recur in three reruns; this
+        # path stays off until that is understood.
         if not (sp.enabled and sp.dense_layers == 0 and store.mesh is None and store.tc.fused_decode
-                and store.selection_edit is None):
+                and store.selection_edit is None and not store.quantized):
             return False
         # One layer's selection (every kv head may pick different pages) plus the pinned pages
         # must fit its slots at once.

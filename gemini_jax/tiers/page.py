@@ -88,7 +88,7 @@ class PageSpec:
         k, v = np.asarray(k), np.asarray(v)
         if k.shape != self.page_shape or v.shape != self.page_shape:
             raise ValueError(f"page k{k.shape} / v{v.shape} must both be {self.page_shape} "
-                             f"[kv_heads, block_size, row].")
+                             f"[kv_heads, block_size, head_dim (+ 4 scale bytes when quantized)].")
         if k.dtype != self.np_dtype or v.dtype != self.np_dtype:
             raise ValueError(f"page dtype k={k.dtype} v={v.dtype} must be {self.np_dtype} (what a {self.dtype} store "
                              f"holds); "
@@ -103,7 +103,8 @@ class PageSpec:
         want = (2, *self.page_shape)
         if getattr(data, "shape", None) != want or data.dtype != self.np_dtype:
             raise ValueError(f"stacked page {getattr(data, 'shape', None)} {getattr(data, 'dtype', None)} must be "
-                             f"{want} [k/v, kv_heads, block_size, row] of {self.np_dtype}.")
+                             f"{want} [k/v, kv_heads, block_size, head_dim (+ 4 scale bytes when quantized)] "
+                             f"of {self.np_dtype}.")
         return data
 
 
