@@ -30,3 +30,50 @@ def pytest_collection_modifyitems(config, items):
             raise pytest.UsageError(f"tests/{module}.py has no kind: add it to KINDS in tests/conftest.py "
                                     f"(unit, integration or e2e).")
         item.add_marker(getattr(pytest.mark, _KIND_OF[module]))
+
+
+_PEAK_AREAS = {"count": 0, "module": ""}
+
+
+def _memory_areas() -> int:
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux
+        return 0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _free_compiled_programs(request):
+    """Drop each module's compiled programs once the module is done. XLA's CPU backend maps every
+    executable it loads into memory areas of its own; over the whole suite one process would hold
+    more of them than the kernel allows a process (`vm.max_map_count`, 65530 by default), and the
+    next `mmap` inside the compiler then fails as a segmentation fault. Programs are shared within
+    a module (its fixtures compile once per shape), so clearing between modules costs little."""
+    yield
+    import gc
+
+    import jax
+
+    areas = _memory_areas()
+    if areas > _PEAK_AREAS["count"]:
+        _PEAK_AREAS.update(count=areas, module=request.module.__name__)
+    gc.collect()
+    jax.clear_caches()
+    gc.collect()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Say how close the suite came to the per-process memory-area limit (see above)."""
+    if _PEAK_AREAS["count"]:
+        try:
+            limit = _read_text("/proc/sys/vm/max_map_count")
+        except OSError:
+            limit = "?"
+        terminalreporter.write_line(f"memory areas at a module's end: at most {_PEAK_AREAS['count']} "
+                                    f"({_PEAK_AREAS['module']}), the per-process limit is {limit}")
+
+
+def _read_text(path: str) -> str:
+    with open(path) as f:
+        return f.read().strip()
