@@ -32,7 +32,7 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(getattr(pytest.mark, _KIND_OF[module]))
 
 
-_PEAK_AREAS = {"count": 0, "module": ""}
+_PEAK_AREAS = {"count": 0, "where": ""}
 
 
 def _memory_areas() -> int:
@@ -43,26 +43,44 @@ def _memory_areas() -> int:
         return 0
 
 
+def _drop_compiled_programs() -> None:
+    import gc
+
+    import jax
+
+    gc.collect()
+    jax.clear_caches()
+    gc.collect()
+
+
+def _note_areas(where: str) -> int:
+    areas = _memory_areas()
+    if areas > _PEAK_AREAS["count"]:
+        _PEAK_AREAS.update(count=areas, where=where)
+    return areas
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _free_compiled_programs(request):
     """Drop the compiled programs at a module's end once the process holds many memory areas. XLA's
     CPU backend maps every executable it loads into areas of its own; over the whole suite one
     process would hold more of them than the kernel allows a process (`vm.max_map_count`, 65530 by
-    default), and the next `mmap` inside the compiler then fails as a segmentation fault. A heavy
-    module adds about 7,000 (test_tiers_prefix, measured), so clearing past a third of the limit
-    keeps a wide margin while programs that later modules reuse stay compiled most of the time."""
+    default), and the next `mmap` inside the compiler then fails as a segmentation fault (a full
+    run crashed so near test 535). Past a third of the limit, a module's end clears them; programs
+    that later modules reuse stay compiled until then."""
     yield
-    import gc
+    if _note_areas(request.module.__name__) > _area_limit() // 3:
+        _drop_compiled_programs()
 
-    import jax
 
-    areas = _memory_areas()
-    if areas > _PEAK_AREAS["count"]:
-        _PEAK_AREAS.update(count=areas, module=request.module.__name__)
-    if areas > _area_limit() // 3:
-        gc.collect()
-        jax.clear_caches()
-        gc.collect()
+@pytest.fixture(autouse=True)
+def _memory_area_guard(request):
+    """The same check after every test, at half the limit: one module can add tens of thousands of
+    areas (test_tiers_engine ended a fresh-clone run at 37,765), so a module's end can come too late.
+    Clearing mid-module costs the module's fixtures one recompile."""
+    yield
+    if _note_areas(request.node.nodeid) > _area_limit() // 2:
+        _drop_compiled_programs()
 
 
 def _area_limit() -> int:
@@ -76,8 +94,8 @@ def pytest_terminal_summary(terminalreporter):
     """Say how close the suite came to the per-process memory-area limit (see above)."""
     if _PEAK_AREAS["count"]:
         limit = _area_limit()
-        terminalreporter.write_line(f"memory areas at a module's end: at most {_PEAK_AREAS['count']} "
-                                    f"({_PEAK_AREAS['module']}), the per-process limit is {limit}")
+        terminalreporter.write_line(f"memory areas after a test: at most {_PEAK_AREAS['count']} "
+                                    f"({_PEAK_AREAS['where']}), the per-process limit is {limit}")
 
 
 def _read_text(path: str) -> str:
