@@ -1,5 +1,6 @@
 """Shared test setup. Tests run on CPU unless JAX_PLATFORMS says otherwise (set before jax loads)."""
 
+import functools
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -83,9 +84,11 @@ def _memory_area_guard(request):
         _drop_compiled_programs()
 
 
+@functools.cache
 def _area_limit() -> int:
     try:
-        return int(_read_text("/proc/sys/vm/max_map_count"))
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read())
     except (OSError, ValueError):
         return 65530  # the kernel's default
 
@@ -96,8 +99,3 @@ def pytest_terminal_summary(terminalreporter):
         limit = _area_limit()
         terminalreporter.write_line(f"memory areas after a test: at most {_PEAK_AREAS['count']} "
                                     f"({_PEAK_AREAS['where']}), the per-process limit is {limit}")
-
-
-def _read_text(path: str) -> str:
-    with open(path) as f:
-        return f.read().strip()
