@@ -2,8 +2,21 @@
 
 import functools
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# One XLA compile per distinct program in a run. Every Engine jits its own step functions, so two
+# engines of one configuration (tests build many) lower the same program twice; JAX's persistent
+# compilation cache, keyed by the lowered program, serves the second from disk. The directory is
+# this run's own and removed at its end (subprocesses inherit it: Hydra jobs, the mesh check).
+# Set JAX_COMPILATION_CACHE_DIR yourself to keep a cache across runs.
+_XLA_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _XLA_CACHE = tempfile.mkdtemp(prefix="gemini_jax-xla-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _XLA_CACHE
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # tiny programs add up too
 
 import pytest  # noqa: E402
 
@@ -99,3 +112,12 @@ def pytest_terminal_summary(terminalreporter):
         limit = _area_limit()
         terminalreporter.write_line(f"memory areas after a test: at most {_PEAK_AREAS['count']} "
                                     f"({_PEAK_AREAS['where']}), the per-process limit is {limit}")
+    if _XLA_CACHE is not None:
+        files = [os.path.join(d, f) for d, _, fs in os.walk(_XLA_CACHE) for f in fs]
+        mb = sum(os.path.getsize(f) for f in files) / 1e6
+        terminalreporter.write_line(f"compilation cache: {len(files)} programs, {mb:.0f} MB (removed at exit)")
+
+
+def pytest_unconfigure(config):
+    if _XLA_CACHE is not None:
+        shutil.rmtree(_XLA_CACHE, ignore_errors=True)

@@ -46,8 +46,8 @@ def test_hardware_config_rejects_bad_reserves():
         _hw(reference_context=0)
 
 
-def _sparse_engine(**over):
-    return EngineConfig(max_seq_len=1024, max_batch=1, prefill_chunk=256, cache=CacheConfig(block_size=8),
+def _sparse_engine(max_seq_len=1024, **over):
+    return EngineConfig(max_seq_len=max_seq_len, max_batch=1, prefill_chunk=256, cache=CacheConfig(block_size=8),
                         sparse=SparseConfig(enabled=True, budget=64, sink_pages=1, local_pages=1), **over)
 
 
@@ -69,15 +69,19 @@ def test_cap_engine_sizes_tiers_and_says_what_it_raised(tmp_path):
     assert not whole.tier.enabled and rec["device_fraction"] == 1.0
 
 
-def test_emulated_run_is_exact_and_moves_pages(tmp_path):
+# (max_seq_len, prompt lengths, new tokens): CI runs the short case, `make test-slow` the long one.
+@pytest.mark.parametrize("size", [(256, (120, 160), 4), pytest.param((1024, (500, 700), 12), marks=pytest.mark.slow)],
+                         ids=["short", "long"])
+def test_emulated_run_is_exact_and_moves_pages(tmp_path, size):
+    max_seq_len, lengths, new_tokens = size
     cfg = tiny_config("llama")
     model = random_model(cfg, 3)
     rng = np.random.default_rng(1)
-    prompt = random_prompts(rng, cfg.vocab_size, [int(rng.integers(500, 700))])[0]
-    e = _sparse_engine()
+    prompt = random_prompts(rng, cfg.vocab_size, [int(rng.integers(*lengths))])[0]
+    e = _sparse_engine(max_seq_len)
     p = proportions(_hw(device_memory_gb=0.6, host_memory_gb=1.0), REF, 4_000_000)
     capped, _ = cap_engine(e, p, num_layers=cfg.num_layers, disk_path=str(tmp_path / "kv"))
-    greedy = SamplingParams(max_new_tokens=12, temperature=0.0)
+    greedy = SamplingParams(max_new_tokens=new_tokens, temperature=0.0)
     ref = gj.Engine(model, e).generate(prompt, greedy, return_logits=True)
     with gj.Engine(model, capped) as eng:
         out = eng.generate(prompt, greedy, return_logits=True)
