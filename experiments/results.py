@@ -126,11 +126,34 @@ ALWAYS = ("conf", ":(exclude)conf/train_tiny*.yaml", "pyproject.toml", "gemini_j
 
 def _changed_since(commit: str, code: list[str] | None = None) -> int:
     """Files the record depends on (its `code` and ALWAYS; CODE_PATHS when `code` is None) that
-    differ between `commit` and HEAD (-1: a commit this clone lacks)."""
+    differ between `commit` and HEAD (-1: a commit this clone lacks). Files added since do not
+    count: a record cannot have run what did not exist, and wiring a new file in changes one that
+    did. pyproject.toml counts only when what it installs changed (`_same_installs`)."""
     paths = CODE_PATHS if code is None else (*ALWAYS, *code)
-    diff = subprocess.run(["git", "diff", "--name-only", commit, "HEAD", "--", *paths], cwd=ROOT,
+    diff = subprocess.run(["git", "diff", "--name-only", "--diff-filter=a", commit, "HEAD", "--", *paths], cwd=ROOT,
                           capture_output=True, text=True)
-    return -1 if diff.returncode != 0 or not commit else len(diff.stdout.split())
+    if diff.returncode != 0 or not commit:
+        return -1
+    files = diff.stdout.split()
+    if "pyproject.toml" in files:
+        old = subprocess.run(["git", "show", f"{commit}:pyproject.toml"], cwd=ROOT, capture_output=True, text=True)
+        with open(os.path.join(ROOT, "pyproject.toml")) as fh:
+            if old.returncode == 0 and _same_installs(old.stdout, fh.read()):
+                files.remove("pyproject.toml")
+    return len(files)
+
+
+def _same_installs(old_toml: str, new_toml: str) -> bool:
+    """Whether two pyproject.toml texts install the same: the Python range, the dependencies and
+    every extra the old one had. Tool settings (pytest, ruff, import-linter), the version string
+    and a new extra change no measurement."""
+    import tomllib
+
+    old, new = tomllib.loads(old_toml).get("project", {}), tomllib.loads(new_toml).get("project", {})
+    if any(old.get(k) != new.get(k) for k in ("requires-python", "dependencies")):
+        return False
+    new_extras = new.get("optional-dependencies", {})
+    return all(new_extras.get(name) == deps for name, deps in old.get("optional-dependencies", {}).items())
 
 
 def stale_records() -> list[tuple[str, str, str]]:

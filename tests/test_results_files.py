@@ -142,6 +142,29 @@ def test_stale_check_tells_code_changes_from_none():
     assert mod._changed_since("f" * 40) == -1 and mod._changed_since("") == -1
 
 
+def test_stale_check_ignores_added_files_and_tool_settings():
+    """A file added since a record's commit, and a pyproject.toml change to tool settings or a new
+    extra, leave the record current; a changed dependency or extra does not."""
+    if _git("rev-parse", "--is-shallow-repository").stdout.strip() != "false":
+        pytest.skip("not a full git checkout: older commits are not here")
+    spec = importlib.util.spec_from_file_location("results", os.path.join(ROOT, "experiments", "results.py"))
+    mod = importlib.util.module_from_spec(spec)
+    import sys
+    sys.modules.setdefault("results", mod)
+    spec.loader.exec_module(mod)
+    first = _git("rev-list", "--max-parents=0", "HEAD").stdout.split()[0]
+    added = _git("diff", "--name-only", "--diff-filter=A", first, "HEAD", "--", "gemini_jax").stdout.split()
+    assert added, "no file under gemini_jax/ was added since the first commit"
+    assert mod._changed_since(first, added[:5]) == mod._changed_since(first, [])
+    base = '[project]\nrequires-python = ">=3.10"\ndependencies = ["jax>=0.7"]\n' \
+           '[project.optional-dependencies]\nhf = ["torch==2.13.0"]\n'
+    assert mod._same_installs(base, base + '[tool.pytest.ini_options]\naddopts = "-q"\n')
+    assert mod._same_installs(base, base.replace('hf = ["torch==2.13.0"]', 'hf = ["torch==2.13.0"]\ncode = ["x"]'))
+    assert not mod._same_installs(base, base.replace("jax>=0.7", "jax>=0.8"))
+    assert not mod._same_installs(base, base.replace("torch==2.13.0", "torch==2.14.0"))
+    assert not mod._same_installs(base, base.replace(">=3.10", ">=3.11"))
+
+
 def test_stale_check_counts_only_the_code_a_record_ran():
     """A record that lists its code is stale when one of those files changed, not when another did."""
     if _git("rev-parse", "--is-shallow-repository").stdout.strip() != "false":
