@@ -57,3 +57,7 @@ class AuthError(GeminiJaxError):
 
 class QuotaExceeded(GeminiJaxError):
     """A request would pass its tenant's compute-unit pool or the per-request cap."""
+
+
+class SourceError(GeminiJaxError, ValueError):
+    """Source code that cannot become syntax nodes: binary, too large, or not valid in its language."""
