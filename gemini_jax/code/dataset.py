@@ -51,6 +51,7 @@ def kind_distances(vectors: np.ndarray, kinds: np.ndarray, languages: np.ndarray
     once however many nodes it has, so frequent kinds (literals) do not drown rare ones (classes).
     Kinds found in one language only are left out. The overall figures average the kinds.
     """
+    vectors = np.asarray(vectors, np.float64)  # numpy, not jax: hundreds of small masked means follow
     unit = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
     means = {}
     for kind, language in set(zip(kinds.tolist(), languages.tolist())):

@@ -69,8 +69,9 @@ class NodeEncoder(nnx.Module):
     def save(self, path: str = ASSET_DIR, *, extra: dict | None = None) -> None:
         """Write the weights (safetensors) and the config (plus `extra`, e.g. training facts) to `path`."""
         os.makedirs(path, exist_ok=True)
-        tensors = {"hidden.kernel": self.hidden.kernel.value, "hidden.bias": self.hidden.bias.value,
-                   "out.kernel": self.out.kernel.value, "out.bias": self.out.bias.value}
+        tensors = {f"{name}.{part}": getattr(layer, part)[...] for name, layer in (("hidden", self.hidden),
+                                                                                   ("out", self.out))
+                   for part in ("kernel", "bias")}
         save_file({name: np.asarray(value, np.float32) for name, value in tensors.items()},
                   os.path.join(path, WEIGHTS_NAME))
         with open(os.path.join(path, CONFIG_NAME), "w") as fh:
@@ -95,10 +96,10 @@ class NodeEncoder(nnx.Module):
         for name, layer in (("hidden", encoder.hidden), ("out", encoder.out)):
             for part in ("kernel", "bias"):
                 value = tensors.get(f"{name}.{part}")
-                expected = getattr(layer, part).value.shape
+                expected = getattr(layer, part).shape
                 if value is None or value.shape != expected:
                     raise CheckpointError(f"code encoder in {path!r}: {name}.{part} is "
                                           f"{None if value is None else value.shape}, expected {expected} "
                                           f"from its config; the files are from different runs.")
-                getattr(layer, part).value = jnp.asarray(value)
+                getattr(layer, part)[...] = jnp.asarray(value)
         return encoder
