@@ -134,13 +134,46 @@ def _changed_since(commit: str, code: list[str] | None = None) -> int:
                           capture_output=True, text=True)
     if diff.returncode != 0 or not commit:
         return -1
-    files = diff.stdout.split()
+    files = [f for f in diff.stdout.split() if not (f.endswith(".py") and _only_adds_definitions(commit, f))]
     if "pyproject.toml" in files:
         old = subprocess.run(["git", "show", f"{commit}:pyproject.toml"], cwd=ROOT, capture_output=True, text=True)
         with open(os.path.join(ROOT, "pyproject.toml")) as fh:
             if old.returncode == 0 and _same_installs(old.stdout, fh.read()):
                 files.remove("pyproject.toml")
     return len(files)
+
+
+def _only_adds_definitions(commit: str, path: str) -> bool:
+    """Whether HEAD's `path` is its `commit` text plus new top-level functions or classes (no
+    decorators, names the old module did not bind), every old statement kept as it was and in
+    order: what ran then runs the same now (a new error class, a new public helper)."""
+    texts = [subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, capture_output=True, text=True)
+             for rev in (commit, "HEAD")]
+    return all(t.returncode == 0 for t in texts) and _adds_only_definitions(texts[0].stdout, texts[1].stdout)
+
+
+def _adds_only_definitions(old_src: str, new_src: str) -> bool:
+    import ast
+
+    try:
+        old, new = ast.parse(old_src).body, ast.parse(new_src).body
+    except SyntaxError:
+        return False
+    bound = {n.id for s in old for n in ast.walk(s) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    bound |= {s.name for s in old if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+    bound |= {(a.asname or a.name).split(".")[0] for s in old if isinstance(s, (ast.Import, ast.ImportFrom))
+              for a in s.names}
+    kept = iter(ast.dump(s) for s in old)
+    want = next(kept, None)
+    for stmt in new:
+        if ast.dump(stmt) == want:
+            want = next(kept, None)
+        elif not (isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                  and not stmt.decorator_list and stmt.name not in bound):
+            return False
+        else:
+            bound.add(stmt.name)
+    return want is None
 
 
 def _same_installs(old_toml: str, new_toml: str) -> bool:

@@ -165,6 +165,31 @@ def test_stale_check_ignores_added_files_and_tool_settings():
     assert not mod._same_installs(base, base.replace(">=3.10", ">=3.11"))
 
 
+def test_stale_check_lets_a_module_gain_new_definitions_only():
+    """A module that only gains new undecorated top-level functions or classes runs its old code
+    the same; any other edit (a changed or removed statement, a rebound name, a decorator, a new
+    assignment) counts as a change."""
+    spec = importlib.util.spec_from_file_location("results", os.path.join(ROOT, "experiments", "results.py"))
+    mod = importlib.util.module_from_spec(spec)
+    import sys
+    sys.modules.setdefault("results", mod)
+    spec.loader.exec_module(mod)
+    old = '"""Errors."""\nimport os\n\nLIMIT = 3\n\n\nclass Base(Exception):\n    pass\n\n\ndef f(x):\n    return x + LIMIT\n'
+    new_class = "\n\nclass SourceError(Base, ValueError):\n    \"\"\"Bad source.\"\"\"\n"
+    assert mod._adds_only_definitions(old, old)
+    assert mod._adds_only_definitions(old, old + new_class)
+    assert mod._adds_only_definitions(old, old.replace("\n\ndef f", new_class + "\n\ndef f"))  # in between
+    assert mod._adds_only_definitions(old, old.replace("return x + LIMIT", "return x  +  LIMIT"))  # layout only
+    assert not mod._adds_only_definitions(old, old.replace("LIMIT = 3", "LIMIT = 4"))
+    assert not mod._adds_only_definitions(old, old.replace("return x + LIMIT", "return x - LIMIT"))
+    assert not mod._adds_only_definitions(old, old + "\n\ndef f(x):\n    return 0\n")  # rebinds f
+    assert not mod._adds_only_definitions(old, old + "\n\ndef os():\n    pass\n")  # rebinds an import
+    assert not mod._adds_only_definitions(old, old + "\n\n@register\ndef g():\n    pass\n")
+    assert not mod._adds_only_definitions(old, old + "\nEXTRA = 1\n")
+    assert not mod._adds_only_definitions(old, old.replace("LIMIT = 3\n", ""))  # a statement removed
+    assert not mod._adds_only_definitions(old, "def (:\n")
+
+
 def test_stale_check_counts_only_the_code_a_record_ran():
     """A record that lists its code is stale when one of those files changed, not when another did."""
     if _git("rev-parse", "--is-shallow-repository").stdout.strip() != "false":
