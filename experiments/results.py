@@ -86,6 +86,8 @@ SUBSETS: dict[str, list[Job]] = {
     # Serving over loopback HTTP: 1 / 4 / 16 / 64 streams of 4K prompts, dense vs sparse, a tenant flood.
     "serve": [Job("serve_load/serve_load", (), 25, script="serve_load.py")],
     # k tokens per device program against transformers and the bandwidth bound (bench rows).
+    # Code as syntax: the node encoder trained and measured on held-out programs and real files.
+    "code": [Job("code/node_distances", (), 2, script="train_code_encoder.py")],
     "decode": [Job("bench_decode/bench", ("--rows", "decode_steps_vs_hf,decode_bandwidth",
                                           "--out", "experiments/results/bench_decode"), 35, script="bench.py")],
 }
@@ -120,8 +122,9 @@ SUBSETS["reproduce"] = [
 # A record that lists the files its job ran (`code`, gemini_jax.eval.record.code_files) depends on
 # those and on ALWAYS (configs, dependencies, the shipped model); an older record on all of CODE_PATHS.
 CODE_PATHS = ("gemini_jax", "conf", "experiments/*.py", "experiments/benchlib", "pyproject.toml")
-ALWAYS = ("conf", ":(exclude)conf/train_tiny*.yaml", "pyproject.toml", "gemini_jax/assets")  # training
-# configs are read by experiments/train_tiny.py alone, which no measurement runs
+ALWAYS = ("conf", ":(exclude)conf/train_tiny*.yaml", "pyproject.toml", "gemini_jax/assets/tiny")  # the LM
+# training configs are read by experiments/train_tiny.py alone, which no measurement runs; the code
+# encoder's weights (gemini_jax/assets/code_encoder) are its own record's output
 
 
 def _changed_since(commit: str, code: list[str] | None = None) -> int:

@@ -437,10 +437,35 @@ def reproduce_block(results_dir: str) -> str:
     return "\n".join(rows + ["", f"Commit(s) the reruns came from: {_commits(loaded)}."])
 
 
+# The write-up's example: Python `if` vs Verilog `if` at cosine distance 0.12, Python `if` vs `while` at 0.41.
+CODE_CROSS_GOAL, CODE_WITHIN_GOAL = 0.12, 0.41
+CODE_ROWS = (("seen_templates", "held-out seeds, seen templates"), ("heldout_templates", "held-out templates"),
+             ("real_code", "real code: Python stdlib vs C headers"))
+
+
+def code_block(results_dir: str) -> str:
+    rec = _load(results_dir, "code/node_distances")
+    if rec is None:
+        return _missing("code")
+    rows = ["| evaluation | nodes | kinds | same kind, across languages | different kinds, one language | "
+            "features alone: across / within | goal |", "|---|---:|---:|---:|---:|---:|---|"]
+    for key, label in CODE_ROWS:
+        s = rec["summary"][key]
+        cross, within = s["encoder_same_kind_cross_language"], s["encoder_different_kind_same_language"]
+        met = "✓" if cross <= CODE_CROSS_GOAL and within >= CODE_WITHIN_GOAL else "✗"
+        rows.append(f"| {label} | {s['nodes']} | {s['kinds']} | {cross:.3f} | {within:.3f} | "
+                    f"{s['features_same_kind_cross_language']:.3f} / {s['features_different_kind_same_language']:.3f} | "
+                    f"{met} |")
+    return "\n".join(rows + ["", f"Mean cosine distance (1 - cos) between groups of nodes, {len(rec['languages'])} "
+                                 f"languages; goal: across ≤ {CODE_CROSS_GOAL} and within ≥ {CODE_WITHIN_GOAL} (the "
+                                 f"write-up's example). Per kind: {_link('code/node_distances')}, commit "
+                                 f"`{rec['commit'][:7]}`."])
+
+
 BLOCKS = {"needle": needle_block, "bpb": bpb_block, "make_run": make_run_block, "exactness": exactness_block,
           "decode": decode_block, "tiers": tiers_block, "prefix": prefix_block,
           "serve": serve_block, "reproduce": reproduce_block,
-          "kv_quant": kv_quant_block}
+          "kv_quant": kv_quant_block, "code": code_block}
 
 
 def render(text: str, results_dir: str) -> tuple[str, int]:
