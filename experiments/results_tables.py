@@ -437,7 +437,7 @@ def reproduce_block(results_dir: str) -> str:
     return "\n".join(rows + ["", f"Commit(s) the reruns came from: {_commits(loaded)}."])
 
 
-# The write-up's example: Python `if` vs Verilog `if` at cosine distance 0.12, Python `if` vs `while` at 0.41.
+# The design's example: Python `if` vs Verilog `if` at cosine distance 0.12, Python `if` vs `while` at 0.41.
 CODE_CROSS_GOAL, CODE_WITHIN_GOAL = 0.12, 0.41
 CODE_ROWS = (("seen_templates", "held-out seeds, seen templates"), ("heldout_templates", "held-out templates"),
              ("real_code", "real code: Python stdlib vs C headers"))
@@ -458,7 +458,8 @@ def code_block(results_dir: str) -> str:
                     f"{met} |")
     return "\n".join(rows + ["", f"Mean cosine distance (1 - cos) between groups of nodes, {len(rec['languages'])} "
                                  f"languages; goal: across ≤ {CODE_CROSS_GOAL} and within ≥ {CODE_WITHIN_GOAL} (the "
-                                 f"write-up's example). Per kind: {_link('code/node_distances')}, commit "
+                                 f"design's example: Python `if` vs Verilog `if` {CODE_CROSS_GOAL}, `if` vs "
+                                 f"`while` {CODE_WITHIN_GOAL}). Per kind: {_link('code/node_distances')}, commit "
                                  f"`{rec['commit'][:7]}`."])
 
 
