@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(PY) -m pip install -q -e ".[hf,dev,slurm,code]"
+	$(PY) -m pip install -q -e ".[hf,dev,slurm,code,vision]"
 	touch $@
 
 run: $(VENV)/.installed

@@ -61,3 +61,8 @@ class QuotaExceeded(GeminiJaxError):
 
 class SourceError(GeminiJaxError, ValueError):
     """Source code that cannot become syntax nodes: binary, too large, or not valid in its language."""
+
+
+class EncoderError(GeminiJaxError, ValueError):
+    """A modality encoder refused: an unknown name, inputs of the wrong shape or range, or a projector
+    trained with another encoder."""
