@@ -88,6 +88,8 @@ SUBSETS: dict[str, list[Job]] = {
     # k tokens per device program against transformers and the bandwidth bound (bench rows).
     # Code as syntax: the node encoder trained and measured on held-out programs and real files.
     "code": [Job("code/node_distances", (), 2, script="train_code_encoder.py")],
+    # Image encoders plugged into the frozen decoder by trained projectors: held-out digits.
+    "encoders": [Job("encoders/digits", (), 5, script="train_encoders.py")],
     "decode": [Job("bench_decode/bench", ("--rows", "decode_steps_vs_hf,decode_bandwidth",
                                           "--out", "experiments/results/bench_decode"), 35, script="bench.py")],
 }
@@ -124,7 +126,7 @@ SUBSETS["reproduce"] = [
 CODE_PATHS = ("gemini_jax", "conf", "experiments/*.py", "experiments/benchlib", "pyproject.toml")
 ALWAYS = ("conf", ":(exclude)conf/train_tiny*.yaml", "pyproject.toml", "gemini_jax/assets/tiny")  # the LM
 # training configs are read by experiments/train_tiny.py alone, which no measurement runs; the code
-# encoder's weights (gemini_jax/assets/code_encoder) are its own record's output
+# and image encoders' weights (gemini_jax/assets/code_encoder, assets/encoders) are their records' output
 
 
 def _changed_since(commit: str, code: list[str] | None = None) -> int:

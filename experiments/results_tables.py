@@ -463,10 +463,33 @@ def code_block(results_dir: str) -> str:
                                  f"`{rec['commit'][:7]}`."])
 
 
+def encoders_block(results_dir: str) -> str:
+    rec = _load(results_dir, "encoders/digits")
+    if rec is None:
+        return _missing("encoders")
+    goal = rec["goal"]
+    rows = ["| encoder | width, soft tokens | held-out answer | goal | the encoder's own classifier, held out |",
+            "|---|---|---|---|---|"]
+    for r in rec["records"]:
+        a, c = r["heldout_answer"], r["heldout_classifier"]
+        rows.append(f"| {r['encoder']} | {r['d_enc']}, {r['soft_tokens']} | {_pct(a['hits'], a['n'])} | "
+                    f"{'✓' if a['accuracy'] >= goal else '✗'} | {_pct(c['hits'], c['n'])} |")
+    swap = rec["swap"]
+    own = swap["own_projector_heldout_answer"]
+    return "\n".join(rows + [
+        "", f"Goal: held-out answer ≥ {100 * goal:.0f}% with either encoder. Decoder weights' sha256 before and after "
+            f"projector training identical: {'✓' if rec['decoder_unchanged'] else '✗'}. Swap: `{swap['encoder']}` "
+            f"with its own projector {_pct(own['hits'], own['n'])}; with the projector of `{swap['projector_of']}`: "
+            f"{'refused ✓' if swap['refused'] else 'not refused ✗'}. {rec['split_facts']['heldout']} held-out and "
+            f"{rec['split_facts']['train']} training digits; 95% Wilson intervals. From {_link('encoders/digits')}, "
+            f"commit `{rec['commit'][:7]}`."])
+
+
 BLOCKS = {"needle": needle_block, "bpb": bpb_block, "make_run": make_run_block, "exactness": exactness_block,
           "decode": decode_block, "tiers": tiers_block, "prefix": prefix_block,
           "serve": serve_block, "reproduce": reproduce_block,
-          "kv_quant": kv_quant_block, "code": code_block}
+          "kv_quant": kv_quant_block, "code": code_block,
+          "encoders": encoders_block}
 
 
 def render(text: str, results_dir: str) -> tuple[str, int]:
