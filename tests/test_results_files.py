@@ -201,10 +201,10 @@ def test_stale_check_counts_only_the_code_a_record_ran():
     spec.loader.exec_module(mod)
     tracked = set(_git("ls-files", "gemini_jax", "experiments").stdout.split())
     for commit in _git("rev-list", "--max-count=200", "HEAD").stdout.split():
-        if _git("diff", "--name-only", commit, "HEAD", "--", *mod.ALWAYS).stdout.strip():
-            break  # older commits differ in configs or the model too: nothing clean to compare
-        changed = [f for f in _git("diff", "--name-only", commit, "HEAD", "--", "gemini_jax").stdout.split()
-                   if f.endswith(".py") and f in tracked]
+        if mod._changed_since(commit, []) != 0:
+            break  # older commits differ in configs, dependencies or the model too: nothing clean to compare
+        changed = [f for f in _git("diff", "--name-only", "--diff-filter=a", commit, "HEAD", "--", "gemini_jax").stdout.split()
+                   if f.endswith(".py") and f in tracked and not mod._only_adds_definitions(commit, f)]
         if changed:
             same = sorted(f for f in tracked if f.endswith(".py") and f not in
                           _git("diff", "--name-only", commit, "HEAD").stdout.split())[0]
