@@ -26,6 +26,17 @@ def _tables():
 rt = _tables()
 
 
+def _results_module():
+    """experiments/results.py as a module (it is a script, not a package member)."""
+    import sys
+
+    spec = importlib.util.spec_from_file_location("results", os.path.join(ROOT, "experiments", "results.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("results", mod)  # dataclasses look the module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def _git(*args) -> subprocess.CompletedProcess:
     return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
 
@@ -130,11 +141,7 @@ def test_stale_check_tells_code_changes_from_none():
     not, and a commit this clone lacks is said to be missing, not taken as current."""
     if _git("rev-parse", "--is-shallow-repository").stdout.strip() != "false":
         pytest.skip("not a full git checkout: older commits are not here")
-    spec = importlib.util.spec_from_file_location("results", os.path.join(ROOT, "experiments", "results.py"))
-    mod = importlib.util.module_from_spec(spec)
-    import sys
-    sys.modules.setdefault("results", mod)  # dataclasses look the module up
-    spec.loader.exec_module(mod)
+    mod = _results_module()
     head = _git("rev-parse", "HEAD").stdout.strip()
     first = _git("rev-list", "--max-parents=0", "HEAD").stdout.split()[0]
     assert mod._changed_since(head) == 0
@@ -147,11 +154,7 @@ def test_stale_check_ignores_added_files_and_tool_settings():
     extra, leave the record current; a changed dependency or extra does not."""
     if _git("rev-parse", "--is-shallow-repository").stdout.strip() != "false":
         pytest.skip("not a full git checkout: older commits are not here")
-    spec = importlib.util.spec_from_file_location("results", os.path.join(ROOT, "experiments", "results.py"))
-    mod = importlib.util.module_from_spec(spec)
-    import sys
-    sys.modules.setdefault("results", mod)
-    spec.loader.exec_module(mod)
+    mod = _results_module()
     first = _git("rev-list", "--max-parents=0", "HEAD").stdout.split()[0]
     added = _git("diff", "--name-only", "--diff-filter=A", first, "HEAD", "--", "gemini_jax").stdout.split()
     assert added, "no file under gemini_jax/ was added since the first commit"
@@ -169,11 +172,7 @@ def test_stale_check_lets_a_module_gain_new_definitions_only():
     """A module that only gains new undecorated top-level functions or classes runs its old code
     the same; any other edit (a changed or removed statement, a rebound name, a decorator, a new
     assignment) counts as a change."""
-    spec = importlib.util.spec_from_file_location("results", os.path.join(ROOT, "experiments", "results.py"))
-    mod = importlib.util.module_from_spec(spec)
-    import sys
-    sys.modules.setdefault("results", mod)
-    spec.loader.exec_module(mod)
+    mod = _results_module()
     old = '"""Errors."""\nimport os\n\nLIMIT = 3\n\n\nclass Base(Exception):\n    pass\n\n\ndef f(x):\n    return x + LIMIT\n'
     new_class = "\n\nclass SourceError(Base, ValueError):\n    \"\"\"Bad source.\"\"\"\n"
     assert mod._adds_only_definitions(old, old)
@@ -194,11 +193,7 @@ def test_stale_check_counts_only_the_code_a_record_ran():
     """A record that lists its code is stale when one of those files changed, not when another did."""
     if _git("rev-parse", "--is-shallow-repository").stdout.strip() != "false":
         pytest.skip("not a full git checkout: older commits are not here")
-    spec = importlib.util.spec_from_file_location("results", os.path.join(ROOT, "experiments", "results.py"))
-    mod = importlib.util.module_from_spec(spec)
-    import sys
-    sys.modules.setdefault("results", mod)
-    spec.loader.exec_module(mod)
+    mod = _results_module()
     tracked = set(_git("ls-files", "gemini_jax", "experiments").stdout.split())
     for commit in _git("rev-list", "--max-count=200", "HEAD").stdout.split():
         if mod._changed_since(commit, []) != 0:
