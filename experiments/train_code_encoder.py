@@ -125,7 +125,8 @@ def real_code(cfg: DictConfig, size: int) -> tuple[NodeDataset, dict]:
         dirs = roots(entries)
         paths, skipped = source_files(dirs, suffix, language, real.files, real.seed, max_bytes=real.max_bytes)
         parts.append(file_dataset(paths, language, size, max_nodes_per_kind=real.max_nodes_per_kind, seed=real.seed))
-        facts[language] = {"roots": dirs, "files": len(paths), "skipped_unparsable": skipped,
+        # The roots as configured ("stdlib", "include": sysconfig's), not this machine's paths.
+        facts[language] = {"roots": [str(entry) for entry in entries], "files": len(paths), "skipped_unparsable": skipped,
                            "files_per_root": [sum(path.startswith(os.path.join(root, "")) for path in paths)
                                               for root in dirs],
                            "nodes": len(parts[-1])}
