@@ -90,6 +90,10 @@ SUBSETS: dict[str, list[Job]] = {
     "code": [Job("code/node_distances", (), 2, script="train_code_encoder.py")],
     # Image encoders plugged into the frozen decoder by trained projectors: held-out digits.
     "encoders": [Job("encoders/digits", (), 5, script="train_encoders.py")],
+    # RULER-style tasks: top_p chosen on dev trials at sparse fixed's KV bytes, then the grid on test trials
+    # (task x length x dense / sparse fixed / sparse top-p / compact + rerank, the shipped and retrained models).
+    "ruler": [Job("ruler/calibration", ("calibrate=true",), 10, script="ruler_grid.py"),
+              Job("ruler/grid", (), 50, script="ruler_grid.py")],
     "decode": [Job("bench_decode/bench", ("--rows", "decode_steps_vs_hf,decode_bandwidth",
                                           "--out", "experiments/results/bench_decode"), 35, script="bench.py")],
 }

@@ -485,11 +485,53 @@ def encoders_block(results_dir: str) -> str:
             f"commit `{rec['commit'][:7]}`."])
 
 
+RULER_MODES = {"dense": "dense", "fixed": "sparse fixed", "topp": "sparse top-p", "compact_rerank": "compact + rerank"}
+
+
+def ruler_block(results_dir: str) -> str:
+    rec, cal = _load(results_dir, "ruler/grid"), _load(results_dir, "ruler/calibration")
+    if rec is None:
+        return _missing("ruler")
+    cells = rec["cells"]
+    cols = list(dict.fromkeys((c["model"], c["mode"]) for c in cells))
+    lengths = {col: sorted({c["length"] for c in cells if (c["model"], c["mode"]) == col}) for col in cols}
+    by = {(c["model"], c["mode"], c["task"], c["length"]): c for c in cells}
+    head = [f"{m} {RULER_MODES.get(mode, mode)} ({', '.join(f'{L // 1024}K' for L in lengths[(m, mode)])})"
+            for m, mode in cols]
+    rows = ["| task | " + " | ".join(head) + " |", "|---|" + "---|" * len(cols)]
+    for task in dict.fromkeys(c["task"] for c in cells):
+        rows.append(f"| {task} | " + " | ".join(" · ".join(f"{by[(m, mode, task, L)]['hits']}" for L in lengths[(m, mode)])
+                                               + f" of {by[(m, mode, task, lengths[(m, mode)][0])]['trials']}"
+                                               for m, mode in cols) + " |")
+    s = rec["summary"]
+    mark = {True: "✓", False: "✗", None: "—"}
+    notes = ["", "Exact-match hits per context length (in the header's order) out of the trials per cell; intervals "
+                 "and KV bytes per token in the record."]
+    if s["retrieval_1k"]:
+        notes.append("- The retrained model, dense at 1K, ≥ 90% on every retrieval task: "
+                     + ", ".join(f"{t} {100 * v['accuracy']:.0f}%" for t, v in s["retrieval_1k"].items())
+                     + f" {mark[s['retrieval_goal_met']]}")
+    if s["topp_vs_fixed"]:
+        kib = {k: sum(v[k] for v in s["topp_vs_fixed"].values()) / len(s["topp_vs_fixed"]) / 1024
+               for k in ("topp_kv_bytes", "fixed_kv_bytes")}
+        notes.append(f"- Sparse top-p as accurate as sparse fixed on ≥ 5 tasks (lengths pooled; mean KV "
+                     f"{kib['topp_kv_bytes']:.0f} vs {kib['fixed_kv_bytes']:.0f} KiB per token): "
+                     f"{s['topp_as_good_tasks']} of {len(s['topp_vs_fixed'])} {mark[s['topp_goal_met']]}")
+    for task, modes in s.get("aggregation", {}).items():
+        notes.append(f"- {task} (aggregation: every part of the context counts), recall of the expected words: "
+                     + ", ".join(f"{RULER_MODES.get(m, m)} {v['recall']:.2f}" for m, v in modes.items()))
+    src = (f"top_p {rec['top_p']['value']:g}, chosen on dev trials ({_link('ruler/calibration')}, commit "
+           f"`{cal['commit'][:7]}`)" if cal is not None and rec["top_p"]["source"].startswith("chosen") else
+           f"top_p {rec['top_p']['value']:g} ({rec['top_p']['source']})")
+    notes.append(f"- {rec['split']} trials; {src}. Per cell: {_link('ruler/grid')}, commit `{rec['commit'][:7]}`.")
+    return "\n".join(rows + notes)
+
+
 BLOCKS = {"needle": needle_block, "bpb": bpb_block, "make_run": make_run_block, "exactness": exactness_block,
           "decode": decode_block, "tiers": tiers_block, "prefix": prefix_block,
           "serve": serve_block, "reproduce": reproduce_block,
           "kv_quant": kv_quant_block, "code": code_block,
-          "encoders": encoders_block}
+          "encoders": encoders_block, "ruler": ruler_block}
 
 
 def render(text: str, results_dir: str) -> tuple[str, int]:

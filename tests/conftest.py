@@ -31,7 +31,7 @@ KINDS = {
              "test_tiers_emulate", "test_tiers_link", "test_tiers_prefix", "test_tiers_prefetch", "test_tiers_residency", "test_tiers_stores"),
     "integration": ("test_engine", "test_eval", "test_kv_quant", "test_mesh", "test_multistep", "test_serve_scheduler", "test_session", "test_sparse", "test_tiers_engine", "test_tiers_recompute",
                     "test_tiers_sharded", "test_tiny", "test_weights"),
-    "e2e": ("test_ablate", "test_bench", "test_serve_http", "test_needle_diagnose", "test_notebooks", "test_report", "test_results_files", "test_run",
+    "e2e": ("test_ablate", "test_ruler_grid", "test_bench", "test_serve_http", "test_needle_diagnose", "test_notebooks", "test_report", "test_results_files", "test_run",
             "test_studies"),
 }
 _KIND_OF = {module: kind for kind, modules in KINDS.items() for module in modules}

@@ -1,0 +1,115 @@
+"""The RULER-style grid (experiments/ruler_grid.py): its config checks, how it chooses top_p on dev
+trials and reads it back, the goals it reads off the cells, and one real cell end to end."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from omegaconf import OmegaConf
+
+from gemini_jax.errors import ConfigError
+from test_ablate import ROOT, sandbox_env
+
+sys.path.insert(0, os.path.join(ROOT, "experiments"))  # the script imports its sibling run.py
+_spec = importlib.util.spec_from_file_location("ruler_grid", os.path.join(ROOT, "experiments", "ruler_grid.py"))
+rg = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(rg)
+from test_results_files import rt  # noqa: E402  (experiments/results_tables.py as a module)
+
+
+def grid_cfg(**changes):
+    cfg = OmegaConf.load(os.path.join(ROOT, "conf", "ruler_grid.yaml"))
+    cfg.pop("hydra")
+    cfg.pop("defaults")
+    for k, v in changes.items():
+        OmegaConf.update(cfg, k, v, merge=False)
+    return cfg
+
+
+def test_config_errors_name_what_is_wrong():
+    rg.check(grid_cfg())  # the shipped config passes
+    cases = {"tasks": (["niah_single", "needle_soup"], "needle_soup"),
+             "modes.fixed.models": (["tiny", "giant"], "giant"),
+             "top_p": (1.5, "top_p=1.5"),
+             "trials": (0, "trials=0")}
+    for key, (value, named) in cases.items():
+        with pytest.raises(ConfigError, match=named):
+            rg.check(grid_cfg(**{key: value}))
+    with pytest.raises(ConfigError, match="calibrate=true"):
+        rg.modes_of(grid_cfg(), None)
+
+
+def test_top_p_is_the_candidate_closest_to_fixed_bytes_from_below():
+    rng = np.random.default_rng(7)
+    for trial in range(20):
+        fixed = float(rng.uniform(500, 1500))
+        cands = [{"top_p": float(p), "kv_bytes_per_token": float(b)}
+                 for p, b in zip(rng.uniform(0.3, 1.0, 5), rng.uniform(200, 2000, 5))]
+        chosen = rg.choose_top_p([{"top_p": None, "kv_bytes_per_token": fixed}, *cands])
+        under = [c for c in cands if c["kv_bytes_per_token"] <= fixed]
+        want = (max(under, key=lambda c: c["kv_bytes_per_token"]) if under
+                else min(cands, key=lambda c: c["kv_bytes_per_token"]))["top_p"]
+        assert chosen == want, f"seed 7 trial {trial}: {fixed}, {cands}"
+
+
+def test_grid_reads_top_p_from_a_matching_calibration_only(tmp_path):
+    cfg = grid_cfg(results_dir=str(tmp_path))
+    with pytest.raises(ConfigError, match="calibrate=true"):
+        rg.calibrated_top_p(cfg)
+    os.makedirs(tmp_path / "ruler")
+    rec = {"config": {"fixed_budget": 256, "topp_max_budget": 512, "topp_min_budget": 64}, "outcome": {"top_p": 0.8}}
+    (tmp_path / "ruler" / "calibration.json").write_text(json.dumps(rec))
+    assert rg.calibrated_top_p(cfg)[0] == 0.8
+    assert rg.calibrated_top_p(grid_cfg(results_dir=str(tmp_path), top_p=0.7)) == (0.7, "set on the command line")
+    with pytest.raises(ConfigError, match="rerun calibrate=true"):
+        rg.calibrated_top_p(grid_cfg(results_dir=str(tmp_path), fixed_budget=128))
+
+
+def _cell(model, mode, task, length, hits, trials=10, kv=1024.0, recall=None):
+    return {"model": model, "mode": mode, "task": task, "length": length, "hits": hits, "trials": trials,
+            "accuracy": hits / trials, "ci95": [0.0, 1.0], "recall": hits / trials if recall is None else recall,
+            "kv_bytes_per_token": kv, "digest_bytes_per_token": 0.0}
+
+
+def test_summary_marks_each_goal_from_the_cells():
+    tasks = ["niah_single", "vt", "cwe"]
+    cells = [_cell("tiny_ruler", "dense", "niah_single", 1024, 10), _cell("tiny_ruler", "dense", "vt", 1024, 8),
+             _cell("tiny_ruler", "dense", "cwe", 1024, 0, recall=0.4)]
+    for task, (f, p) in {"niah_single": (9, 9), "vt": (5, 4), "cwe": (1, 2)}.items():
+        for L in (1024, 2048):
+            cells += [_cell("tiny_ruler", "fixed", task, L, f), _cell("tiny_ruler", "topp", task, L, p, kv=900.0)]
+    s = rg.summary(cells, tasks)
+    assert s["retrieval_1k"]["niah_single"]["met"] and not s["retrieval_1k"]["vt"]["met"]
+    assert s["retrieval_goal_met"] is False  # vt at 80%
+    assert "cwe" not in s["retrieval_1k"]  # aggregation is not retrieval
+    assert [t for t, v in s["topp_vs_fixed"].items() if v["as_good"]] == ["niah_single", "cwe"]
+    assert s["topp_vs_fixed"]["vt"]["fixed"] == (10, 20) and s["topp_vs_fixed"]["vt"]["topp"] == (8, 20)
+    assert s["topp_as_good_tasks"] == 2 and s["topp_goal_met"] is False
+    assert s["aggregation"]["cwe"]["dense"] == {"hits": 0, "trials": 10, "recall": 0.4}
+
+
+def test_one_cell_end_to_end_writes_a_record_the_readme_block_renders(tmp_path):
+    """A real run of the script (the shipped model, dense, one task, one trial at 1K): the record has
+    its provenance and the README block renders from it."""
+    cmd = [sys.executable, os.path.join(ROOT, "experiments", "ruler_grid.py"), f"results_dir={tmp_path}",
+           "trials=1", "batch=1", "lengths_cap=1024", "tasks=[niah_single]", "top_p=0.9", "~modes.fixed",
+           "~modes.topp", "~modes.compact_rerank", "modes.dense.models=[tiny]", f"hydra.run.dir={tmp_path / 'run'}"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=sandbox_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(tmp_path / "ruler" / "grid.json") as fh:
+        rec = json.load(fh)
+    # Only the commit may be flagged: a checkout with uncommitted changes records "+dirty".
+    assert [p for p in rt.record_problems(rec) if "commit" not in p] == []
+    (cell,) = rec["cells"]
+    assert (cell["model"], cell["mode"], cell["task"], cell["length"], cell["trials"]) == ("tiny", "dense", "niah_single", 1024, 1)
+    (trial,) = rec["records"]
+    assert cell["hits"] == int(trial["exact"]) and trial["answers"] and isinstance(trial["generated"], str)
+    assert cell["kv_bytes_per_token"] > 0
+    block = rt.ruler_block(str(tmp_path))
+    assert "| niah_single |" in block and "tiny dense (1K)" in block
