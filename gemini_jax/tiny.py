@@ -72,3 +72,9 @@ def load_tiny(path: str = ASSET_DIR):
                               f"{str(info.get('weights_sha256'))[:16]}…: the file is corrupt or from "
                               f"another model. Re-export it with experiments/export_tiny.py.")
     return load_safetensors(path)
+
+
+def load_tiny_ruler():
+    """The shipped model trained further on the RULER-style task mix (gemini_jax.data.ruler), from
+    `gemini_jax/assets/tiny_ruler/` (its card: training config, step, evaluation), weights checked."""
+    return load_tiny(os.path.join(os.path.dirname(ASSET_DIR), "tiny_ruler"))
