@@ -113,3 +113,15 @@ def test_one_cell_end_to_end_writes_a_record_the_readme_block_renders(tmp_path):
     assert cell["kv_bytes_per_token"] > 0
     block = rt.ruler_block(str(tmp_path))
     assert "| niah_single |" in block and "tiny dense (1K)" in block
+
+
+def test_the_retrained_model_ships_small_and_loads_checked():
+    from gemini_jax import tiny
+
+    path = os.path.join(ROOT, "gemini_jax", "assets", "tiny_ruler")
+    size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
+    assert size <= 20 * 2 ** 20, f"gemini_jax/assets/tiny_ruler holds {size / 2 ** 20:.1f} MiB"
+    card = tiny.card(path)
+    assert card["train_config"]["mix"]["ruler"] > 0 and card["step"] >= 1
+    model = tiny.load_tiny_ruler()  # the weights' sha256 is checked against the card on load
+    assert model.cfg == tiny.load_tiny().cfg
