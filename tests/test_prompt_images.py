@@ -5,7 +5,6 @@ raises typed errors. The shipped tiny decoder and image encoders, real digits, r
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import numpy as np
@@ -27,8 +26,8 @@ ENGINES = {
     "sparse": EngineConfig(**BASE, sparse=SparseConfig(enabled=True, budget=128, sink_pages=1, local_pages=1,
                                                        sparse_prefill=True)),
     # 8 device slots for a prompt of 8-13 pages: pages go to host RAM and come back while decoding.
-    "tiers": EngineConfig(**BASE, sparse=SparseConfig(enabled=True, budget=32, sink_pages=1, local_pages=1),
-                          tier=TierConfig(enabled=True, device_fraction=0.25, prefetch_depth=2, hot_threshold=0)),
+    "tiers": EngineConfig(**BASE, tier=TierConfig(enabled=True, device_fraction=0.25, prefetch_depth=2,
+                                                  hot_threshold=0)),
 }
 
 
@@ -74,12 +73,8 @@ def test_image_prompt_reproduces_the_dense_reference(path, model, cnn, case):
     image, _, text = case
     with gj.Engine(model, ENGINES[path]) as eng:
         out = eng.generate(gj.Prompt([gj.Image(image, encoder=cnn), text]), GREEDY, return_logits=True)
-    if path == "tiers":  # the sparse all-resident engine is the reference of sparse over tiers
-        with gj.Engine(model, dataclasses.replace(ENGINES[path], tier=TierConfig())) as eng:
-            resident = eng.generate(gj.Prompt([gj.Image(image, encoder=cnn), text]), GREEDY, return_logits=True)
+    if path == "tiers":
         assert out.stats["pages_fetched_host"] > 0, "no page came back from host RAM: the tiers were not exercised"
-        assert out.tokens == resident.tokens and np.abs(out.logits - resident.logits).max() <= 1e-5
-        return
     ref = reference(model, cnn, image, text, out.tokens)
     err = float(np.abs(out.logits - ref).max())
     assert err <= 1e-5, f"{path}: max |logit - reference| = {err:.2e} (seed {SEED})"
