@@ -10,7 +10,7 @@ from gemini_jax import errors
 from gemini_jax.config import EngineConfig, ModelConfig, RopeConfig, SamplingParams
 from gemini_jax.engine import COUNTERS, Engine, GenerateOutput
 from gemini_jax.model import Decoder, forward
-from gemini_jax.prompt import Image, Prompt
+from gemini_jax.encoders.prompt import Image, Prompt
 from gemini_jax.tokenizer import ByteTokenizer, HFTokenizer
 
 Model = Decoder

@@ -29,7 +29,7 @@ from gemini_jax.cache.store import PooledStore
 from gemini_jax.config import EngineConfig, SamplingParams
 from gemini_jax.errors import ConfigError, ContextLengthError
 from gemini_jax.model import Decoder, validate_tokens
-from gemini_jax.prompt import Prompt, check_encoders
+from gemini_jax.encoders.prompt import Prompt, check_encoders
 from gemini_jax.runtime import COUNTERS, RunContext, make_runner, new_stats
 from gemini_jax.runtime.multistep import LoopInputs, LoopSpec
 from gemini_jax.runtime.soft import SoftTable
