@@ -231,12 +231,16 @@ def stale_records() -> list[tuple[str, str, str]]:
     return out
 
 
-def run_subset(name: str, *, missing_only: bool) -> int:
+def run_subset(name: str, *, missing_only: bool, stale_only: bool = False) -> int:
     jobs = SUBSETS[name]
     failed = 0
     for i, job in enumerate(jobs, 1):
         if missing_only and os.path.exists(job.path):
             print(f"[{name} {i}/{len(jobs)}] {job.record}: record exists, skipped (--missing)", flush=True)
+            continue
+        # Asked per job: a reproduction run just before can make a needle record current.
+        if stale_only and os.path.exists(job.path) and job.record not in {r for r, _, _ in stale_records()}:
+            print(f"[{name} {i}/{len(jobs)}] {job.record}: current at HEAD, skipped (--stale-only)", flush=True)
             continue
         cmd = [sys.executable, os.path.join(ROOT, "experiments", job.script), *job.overrides]
         print(f"[{name} {i}/{len(jobs)}] {job.record} (~{job.minutes} min): {' '.join(cmd[1:])}", flush=True)
@@ -254,6 +258,9 @@ def main(argv=None) -> int:
     ap.add_argument("--list", action="store_true", help="list subsets and jobs, run nothing")
     ap.add_argument("--missing", action="store_true", help="run only jobs whose record file is absent")
     ap.add_argument("--render", action="store_true", help="rewrite the README's generated tables from the files")
+    ap.add_argument("--stale-only", action="store_true",
+                    help="run only jobs whose record is absent or stale; the reproduce subset runs first, so a "
+                         "needle or bits-per-byte record its sample reproduces is not rerun in full")
     ap.add_argument("--stale", action="store_true",
                     help="list records whose code (" + ", ".join(CODE_PATHS) + ") changed since they were measured")
     args = ap.parse_args(argv)
@@ -274,7 +281,9 @@ def main(argv=None) -> int:
                 print(f"  {j.record:<36} {'present' if os.path.exists(j.path) else 'absent ':<8} "
                       f"{j.script} {' '.join(j.overrides)}")
         return 0
-    failed = sum(run_subset(n, missing_only=args.missing) for n in names)
+    if args.stale_only and "reproduce" in names:
+        names = ["reproduce", *[n for n in names if n != "reproduce"]]
+    failed = sum(run_subset(n, missing_only=args.missing, stale_only=args.stale_only) for n in names)
     if args.render:
         from results_tables import render_readme  # this script's directory is on sys.path
 

@@ -75,12 +75,13 @@ def haystack(name: str) -> np.ndarray:
         return np.frombuffer(fh.read(), np.uint8)
 
 
-def engine_for(mode_overrides: list[str], longest: int, model):
+def engine_for(mode_overrides: list[str], longest: int, model, batch: int):
     """An engine of the main job's config (conf/config.yaml) with `mode_overrides` applied, its
-    max_seq_len raised to fit `longest` tokens and the longest answer."""
+    max_seq_len raised to fit `longest` tokens and the longest answer, max_batch to `batch`."""
     job = compose("config", overrides=[*mode_overrides, "experiment=ruler"])
     data = OmegaConf.to_container(job.engine, resolve=True)
     data["max_seq_len"] = max(int(data["max_seq_len"]), longest + 128)
+    data["max_batch"] = max(int(data["max_batch"]), batch)
     return gj.Engine(model, emulate_hardware(job, build(EngineConfig, data), model)[0])
 
 
@@ -88,7 +89,7 @@ def run_cells(cfg, model_name: str, model, mode: str, overrides: list[str], leng
               trials: int, bar) -> tuple[list[dict], list[dict]]:
     """(cells, trial records) of one (model, mode) over every task and length."""
     hay = haystack(str(cfg.haystack))
-    eng = engine_for(overrides, max(lengths), model)
+    eng = engine_for(overrides, max(lengths), model, int(cfg.batch))
     cells, records = [], []
     try:
         for task in cfg.tasks:

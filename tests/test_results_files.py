@@ -216,3 +216,23 @@ def test_a_record_lists_the_project_code_its_job_imported():
     files = record.code_files()
     assert "gemini_jax/eval/record.py" in files and "gemini_jax/engine.py" in files
     assert all(f.split("/")[0] in ("gemini_jax", "experiments") and f.endswith(".py") for f in files), files
+
+
+def test_stale_only_runs_the_stale_and_absent_jobs_alone(monkeypatch, tmp_path):
+    """`results.py --stale-only`: a job runs when its record is absent or stale, not when current."""
+    res = _results_module()
+    present = tmp_path / "present.json"
+    present.write_text("{}")
+    jobs = [res.Job("x/current", (), 1), res.Job("x/stale", (), 1), res.Job("x/absent", (), 1)]
+    paths = {"x/current": str(present), "x/stale": str(present), "x/absent": str(tmp_path / "absent.json")}
+    monkeypatch.setattr(res.Job, "path", property(lambda self: paths[self.record]))
+    monkeypatch.setitem(res.SUBSETS, "x", jobs)
+    monkeypatch.setattr(res, "stale_records", lambda: [("x/stale", "abc1234", "1 code file(s) changed since")])
+    ran = []
+
+    class Done:
+        returncode = 0
+
+    monkeypatch.setattr(res.subprocess, "run", lambda cmd, **kw: ran.append(cmd[1]) or Done())
+    assert res.run_subset("x", missing_only=False, stale_only=True) == 0
+    assert len(ran) == 2, ran  # the stale and the absent job, not the current one
