@@ -200,8 +200,10 @@ def summary(cells: list[dict], tasks: list[str]) -> dict:
                 out["retrieval_1k"][task] = {"accuracy": c["accuracy"], "ci95": c["ci95"], "met": c["accuracy"] >= RETRIEVAL_GOAL}
         f, p = pooled("tiny_ruler", "fixed", task), pooled("tiny_ruler", "topp", task)
         if f and p:
+            # A task where both score 0 compares nothing (None); top-p reading more bytes is not a tie at equal bytes.
+            told = p[0] + f[0] > 0
             out["topp_vs_fixed"][task] = {"fixed": f[:2], "topp": p[:2], "fixed_kv_bytes": f[2], "topp_kv_bytes": p[2],
-                                          "as_good": p[0] / p[1] >= f[0] / f[1]}
+                                          "as_good": (p[0] / p[1] >= f[0] / f[1] and p[2] <= f[2]) if told else None}
     # Aggregation tasks: where selecting the top pages should fail. Exact match and recall (the share
     # of expected words named) per mode of the retrained model, lengths pooled.
     out["aggregation"] = {}
@@ -212,7 +214,7 @@ def summary(cells: list[dict], tasks: list[str]) -> dict:
                 out["aggregation"].setdefault(task, {})[mode] = {
                     "hits": sum(c["hits"] for c in cs), "trials": sum(c["trials"] for c in cs),
                     "recall": float(np.average([c["recall"] for c in cs], weights=[c["trials"] for c in cs]))}
-    won = sum(v["as_good"] for v in out["topp_vs_fixed"].values())
+    won = sum(bool(v["as_good"]) for v in out["topp_vs_fixed"].values())
     out["topp_as_good_tasks"] = won
     out["topp_goal_met"] = won >= TOPP_GOAL_TASKS if out["topp_vs_fixed"] else None
     out["retrieval_goal_met"] = all(v["met"] for v in out["retrieval_1k"].values()) if out["retrieval_1k"] else None

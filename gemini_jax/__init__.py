@@ -10,6 +10,7 @@ from gemini_jax import errors
 from gemini_jax.config import EngineConfig, ModelConfig, RopeConfig, SamplingParams
 from gemini_jax.engine import COUNTERS, Engine, GenerateOutput
 from gemini_jax.model import Decoder, forward
+from gemini_jax.encoders.prompt import Image, Prompt
 from gemini_jax.tokenizer import ByteTokenizer, HFTokenizer
 
 Model = Decoder
@@ -22,6 +23,20 @@ def load_hf(path: str, dtype: str = "float32") -> Decoder:
     return _load_hf(path, dtype=dtype)
 
 
+def load_encoder(name: str):
+    """A shipped modality encoder with its projector (`gj.list_encoders()` names them), for `gj.Image`."""
+    from gemini_jax.encoders import load_encoder as _load_encoder
+
+    return _load_encoder(name)
+
+
+def list_encoders() -> list[str]:
+    """The shipped modality encoders' names."""
+    from gemini_jax.encoders import list_encoders as _list_encoders
+
+    return _list_encoders()
+
+
 def load_tiny() -> Decoder:
     """The small byte-level model shipped inside the package (no network)."""
     from gemini_jax.tiny import load_tiny as _load_tiny
@@ -30,6 +45,7 @@ def load_tiny() -> Decoder:
 
 
 __all__ = [
-    "COUNTERS", "ByteTokenizer", "Decoder", "Engine", "EngineConfig", "GenerateOutput", "HFTokenizer",
-    "Model", "ModelConfig", "RopeConfig", "SamplingParams", "errors", "forward", "load_hf", "load_tiny",
+    "COUNTERS", "ByteTokenizer", "Decoder", "Engine", "EngineConfig", "GenerateOutput", "HFTokenizer", "Image",
+    "Model", "ModelConfig", "Prompt", "RopeConfig", "SamplingParams", "errors", "forward", "list_encoders",
+    "load_encoder", "load_hf", "load_tiny",
 ]

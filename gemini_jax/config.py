@@ -511,6 +511,10 @@ class EngineConfig:
     sampling, EOS / max-token stops and counters run on device, the host commits once per call.
     1 runs one jitted step per token. The tiered runner always runs one per token (its host
     bookkeeping runs between steps). Tokens and logits do not depend on it.
+
+    max_soft_tokens: rows of the engine's soft-token table (encoder outputs in prompts,
+    `gj.Prompt`). Rows are kept for the engine's life, so the pages of an image stay valid and are
+    shared when the same image comes again; a prompt that needs more raises ContextLengthError.
     """
 
     max_seq_len: int = 4096
@@ -523,6 +527,7 @@ class EngineConfig:
     sparse: SparseConfig = field(default_factory=SparseConfig)
     tier: TierConfig = field(default_factory=TierConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)  # {data: D, model: M}: shard over D x M devices
+    max_soft_tokens: int = 4096
 
     def __post_init__(self):
         for name, cls in (("cache", CacheConfig), ("sparse", SparseConfig), ("tier", TierConfig), ("mesh", MeshConfig)):
@@ -538,6 +543,8 @@ class EngineConfig:
         _require(isinstance(self.decode_steps_per_call, int) and self.decode_steps_per_call > 0,
                  f"decode_steps_per_call={self.decode_steps_per_call!r} must be a positive integer (1: one "
                  f"jitted step per token).")
+        _require(isinstance(self.max_soft_tokens, int) and self.max_soft_tokens >= 0,
+                 f"max_soft_tokens={self.max_soft_tokens!r} must be a non-negative integer (0: no soft tokens).")
         _require(self.attention_impl in ("xla", "pallas"),
                  f"attention_impl={self.attention_impl!r} must be 'xla' or 'pallas'.")
         _require(self.kernel_platform in (None, "tpu", "gpu"),

@@ -29,8 +29,10 @@ from gemini_jax.cache.store import PooledStore
 from gemini_jax.config import EngineConfig, SamplingParams
 from gemini_jax.errors import ConfigError, ContextLengthError
 from gemini_jax.model import Decoder, validate_tokens
+from gemini_jax.encoders.prompt import Prompt, check_encoders
 from gemini_jax.runtime import COUNTERS, RunContext, make_runner, new_stats
 from gemini_jax.runtime.multistep import LoopInputs, LoopSpec
+from gemini_jax.runtime.soft import SoftTable
 from gemini_jax.sampling import sample_with
 from gemini_jax.session import Session, audit, restore_session
 from gemini_jax.session.snapshot import fingerprint
@@ -83,9 +85,10 @@ class Engine:
         else:
             backend = contiguous_backend(model.cfg)
         forward = functools.partial(_run, graphdef, backend)
+        soft = SoftTable(model.cfg.vocab_size, model.cfg.hidden_size, model.cfg.dtype, self.config.max_soft_tokens)
         self.ctx = RunContext(graphdef=graphdef, params=params, model_cfg=model.cfg, config=self.config,
                               step=jax.jit(forward, donate_argnums=(1,)), forward=forward,
-                              kv=self.kv, store=self.store, mesh=mesh)
+                              kv=self.kv, store=self.store, mesh=mesh, soft=soft)
         self.prefixes = None
         if self.config.tier.persistent:
             self.prefixes = self._open_prefixes()
@@ -149,8 +152,20 @@ class Engine:
         self.close()
 
     # ---- validation -----------------------------------------------------------------------
+    @property
+    def soft(self) -> SoftTable:
+        """The soft-token table: encoder outputs of the prompts so far (`gj.Prompt`)."""
+        return self.ctx.soft
+
+    def token_ids(self, prompt, what: str = "prompt") -> np.ndarray:
+        """int32 ids of `prompt`: token ids (ids past the vocabulary must name soft-token rows of this
+        engine), or a `gj.Prompt`, whose images are encoded and registered here. TokenError otherwise."""
+        if isinstance(prompt, Prompt):
+            prompt = prompt.resolve(self.model_cfg, self.ctx.soft)
+        return validate_tokens(prompt, self.model_cfg.vocab_size + len(self.ctx.soft), what)
+
     def _check_request(self, prompt, params: SamplingParams, what: str) -> np.ndarray:
-        toks = validate_tokens(prompt, self.model_cfg.vocab_size, what)
+        toks = self.token_ids(prompt, what)
         need = len(toks) + params.max_new_tokens
         if need > self.config.max_seq_len:
             raise ContextLengthError(
@@ -200,8 +215,9 @@ class Engine:
         before any state changes; a refused resume leaves the engine as it was."""
         sess = restore_session(self, path, params=params, budget=budget)
         try:
-            instr = (validate_tokens(instruction_tokens, self.model_cfg.vocab_size, "instruction")
-                     if len(instruction_tokens) else np.zeros(0, np.int32))
+            check_encoders(instruction_tokens, sess.soft_sources, f"snapshot {path!r}")
+            instr = (self.token_ids(instruction_tokens, "instruction")
+                     if isinstance(instruction_tokens, Prompt) or len(instruction_tokens) else np.zeros(0, np.int32))
             keep = sess.position if rewind_to is None else int(rewind_to)
             if not 1 <= keep <= sess.position:
                 raise ValueError(f"rewind_to={rewind_to} must be in [1, {sess.position}].")
@@ -377,6 +393,8 @@ def _run(graphdef, backend, params, cache, tokens, positions, select):
 
 
 def _is_single(prompts) -> bool:
+    if isinstance(prompts, Prompt):
+        return True
     if isinstance(prompts, np.ndarray):
         return prompts.ndim == 1
     if isinstance(prompts, (list, tuple)):

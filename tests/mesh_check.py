@@ -1,7 +1,7 @@
 """Run by tests/test_mesh.py in a subprocess with 8 fake CPU devices; prints one JSON line.
 
 Checks: meshes (1x8), (2x4), (8x1) give the single-device logits (dense paged, sparse, resume
-from a snapshot), also over tiers on (1x8) and (2x4); a snapshot saved on (1x8) restores on (2x4)
+from a snapshot; soft tokens on (2x4)), also over tiers on (1x8) and (2x4); a snapshot saved on (1x8) restores on (2x4)
 (all-resident and tiered) and one saved over tiers restores single-device; the pool's per-device share is
 1/model of it; the compiled decode step has no all-gather of pool-sized operands; bad meshes
 raise ConfigError.
@@ -92,6 +92,17 @@ for mname, mesh in MESHES.items():
         # Positive control: replicating the pool on every device must show up as a pool-sized all-gather.
         replicate = jax.jit(lambda x: x * 2, out_shardings=NamedSharding(pool.k.sharding.mesh, PartitionSpec()))
         report["control_all_gathers"] = all_gathers(replicate.lower(pool.k).compile().as_text())
+
+# Soft tokens (encoder outputs: embeddings instead of ids) on a (2x4) mesh vs one device.
+soft = (0.02 * rng.standard_normal((4, cfg.hidden_size))).astype(np.float32)
+soft_out = {}
+for mname, mesh in (("single", None), ("2x4", MESHES["2x4"])):
+    eng = engine(mesh)
+    ids = [int(i) for i in eng.soft.add("mesh-check", soft, {"encoder": "random"})]
+    soft_out[mname] = eng.generate([p[:10] + ids + p[10:] for p in prompts], params, return_logits=True)
+report["max_err"]["2x4/soft"] = float(max(np.abs(a - b).max() for a, b in zip(soft_out["2x4"].logits,
+                                                                               soft_out["single"].logits)))
+report["tokens_equal"]["2x4/soft"] = soft_out["2x4"].tokens == soft_out["single"].tokens
 
 # Over tiers: each shard of kv heads has its own host pool and zarr array on disk. The first
 # call of each jitted per-layer piece (a decode step) is recorded, to inspect its compiled HLO for all-gathers.

@@ -77,3 +77,12 @@ def test_ablations_notebook(kernel_env, monkeypatch, tmp_path_factory):
     assert "over engine.cache.block_size = [16, 64]" in text
     assert str(sweep) in text
     assert images >= 2  # metrics, counters
+
+
+def test_images_notebook(kernel_env):
+    nb = execute("03_images.ipynb")
+    text, images = outputs(nb)
+    assert "encoders: ['cnn', 'mixer']" in text
+    assert ": right" in text, text  # a held-out digit the shipped cnn answers (98% of them)
+    assert "prefill_tokens_reused = 16" in text  # 19 prompt tokens: two full pages of 8, the last token computed
+    assert "mixer answers" in text and images >= 1

@@ -78,10 +78,10 @@ def _cell(model, mode, task, length, hits, trials=10, kv=1024.0, recall=None):
 
 
 def test_summary_marks_each_goal_from_the_cells():
-    tasks = ["niah_single", "vt", "cwe"]
+    tasks = ["niah_single", "vt", "cwe", "fwe"]
     cells = [_cell("tiny_ruler", "dense", "niah_single", 1024, 10), _cell("tiny_ruler", "dense", "vt", 1024, 8),
              _cell("tiny_ruler", "dense", "cwe", 1024, 0, recall=0.4)]
-    for task, (f, p) in {"niah_single": (9, 9), "vt": (5, 4), "cwe": (1, 2)}.items():
+    for task, (f, p) in {"niah_single": (9, 9), "vt": (5, 4), "cwe": (1, 2), "fwe": (0, 0)}.items():
         for L in (1024, 2048):
             cells += [_cell("tiny_ruler", "fixed", task, L, f), _cell("tiny_ruler", "topp", task, L, p, kv=900.0)]
     s = rg.summary(cells, tasks)
@@ -89,6 +89,7 @@ def test_summary_marks_each_goal_from_the_cells():
     assert s["retrieval_goal_met"] is False  # vt at 80%
     assert "cwe" not in s["retrieval_1k"]  # aggregation is not retrieval
     assert [t for t, v in s["topp_vs_fixed"].items() if v["as_good"]] == ["niah_single", "cwe"]
+    assert s["topp_vs_fixed"]["fwe"]["as_good"] is None  # both 0: compares nothing, not a tie
     assert s["topp_vs_fixed"]["vt"]["fixed"] == (10, 20) and s["topp_vs_fixed"]["vt"]["topp"] == (8, 20)
     assert s["topp_as_good_tasks"] == 2 and s["topp_goal_met"] is False
     assert s["aggregation"]["cwe"]["dense"] == {"hits": 0, "trials": 10, "recall": 0.4}

@@ -9,6 +9,7 @@ over device slots and the tiers below.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, NamedTuple, Optional
 
 import jax
@@ -17,6 +18,7 @@ import numpy as np
 
 from gemini_jax import distributed
 from gemini_jax.attention import digests, kvquant
+from gemini_jax.cache.shapes import pow2_at_least
 from gemini_jax.config import EngineConfig, ModelConfig
 
 
@@ -40,6 +42,24 @@ def _copy(kv: DeviceKV, src, dst) -> DeviceKV:
     dig = None if kv.digests is None else kv.digests.at[:, :, dst].set(kv.digests[:, :, src])
     at = (slice(None), slice(None), dst)
     return DeviceKV(kvquant.write(kv.k, at, kv.k[:, :, src]), kvquant.write(kv.v, at, kv.v[:, :, src]), dig)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _scatter(kv: DeviceKV, idx, k, v, dig) -> DeviceKV:
+    """Whole pages at physical ids `idx` (ids past the pool are dropped) in every layer."""
+    at = (slice(None), slice(None), idx)
+    digests_ = kv.digests if dig is None else kv.digests.at[at].set(dig.astype(kv.digests.dtype), mode="drop")
+    return DeviceKV(kvquant.write(kv.k, at, k, mode="drop"), kvquant.write(kv.v, at, v, mode="drop"), digests_)
+
+
+def _pad_pages(x, width: int):
+    """Pages [L, K, n, ...] (or kvquant.QuantPages of them) zero-padded to `width` along axis 2."""
+    if isinstance(x, kvquant.QuantPages):
+        return kvquant.QuantPages(_pad_pages(x.data, width), _pad_pages(x.scale, width))
+    x = np.asarray(x)
+    if x.shape[2] == width:
+        return x
+    return np.pad(x, [(0, 0), (0, 0), (0, width - x.shape[2])] + [(0, 0)] * (x.ndim - 3))
 
 
 class PooledStore:
@@ -88,13 +108,15 @@ class PooledStore:
         """Write whole pages (physical ids; k, v [L, K, n, S, D], digests [L, K, n, R, D]).
         `partial` matters to tiered stores only (every page here is on device)."""
         del partial
-        idx = jnp.asarray(pages, jnp.int32)
-        kv = self._kv
-        dig = kv.digests
-        if dig is not None and digests_ is not None:
-            dig = dig.at[:, :, idx].set(jnp.asarray(digests_, dig.dtype))
-        at = (slice(None), slice(None), idx)
-        self._kv = DeviceKV(kvquant.write(kv.k, at, k), kvquant.write(kv.v, at, v), dig)
+        # One compiled program per power-of-two page count (padding goes to an out-of-range page and
+        # is dropped), the pool donated: no compile per call, no copy of the pool.
+        n = len(pages)
+        width = pow2_at_least(max(n, 1))
+        idx = np.full(width, self._kv.k.shape[2], np.int32)  # past the last page: dropped
+        idx[:n] = np.asarray(pages, np.int32)
+        pad = functools.partial(_pad_pages, width=width)
+        dig = None if self._kv.digests is None or digests_ is None else pad(digests_)
+        self._kv = _scatter(self._kv, jnp.asarray(idx), pad(k), pad(v), dig)
 
     def copy_pages(self, src, dst) -> None:
         """Private copies of pages `src` at `dst` (a rewind's copy-on-write)."""

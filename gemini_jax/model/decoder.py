@@ -101,14 +101,15 @@ class Decoder(nnx.Module):
 
     def __call__(self, tokens, positions, backend: Optional[KVBackend] = None, cache=None,
                  *, remat: bool = False, select=None):
-        """tokens, positions int32[B, T] -> (logits f32[B, T, V], cache).
+        """tokens, positions int32[B, T] -> (logits f32[B, T, V], cache). `tokens` may instead be
+        input embeddings f32[B, T, E] (soft tokens: gemini_jax.runtime.soft).
 
         `select` int32[B]: compute logits only at token index select[b] of each row -> [B, 1, V]
         (prefill needs just the last real token's logits; the vocab projection is not free).
         """
         cfg = self.cfg
         backend = backend or self_attention_backend(cfg)
-        h = self.embed_tokens(tokens)
+        h = tokens if jnp.issubdtype(tokens.dtype, jnp.floating) else self.embed_tokens(tokens)
         rope = self._rope_tables(positions)
 
         def layer_fn(carry, xs):

@@ -30,6 +30,7 @@ class RunContext:
     store: Any = None  # PooledStore | TieredStore
     mesh: Optional[Any] = None
     prefixes: Any = None  # gemini_jax.tiers.prefix_store.PrefixStore (tier.persistent), else None
+    soft: Any = None  # gemini_jax.runtime.soft.SoftTable: soft tokens' rows (token ids >= vocab_size)
     seq_ids: Any = field(default_factory=itertools.count)
     programs: dict = field(default_factory=dict)
 

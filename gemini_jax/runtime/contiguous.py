@@ -7,6 +7,7 @@ import functools
 import jax.numpy as jnp
 
 from gemini_jax.cache import ContiguousKV
+from gemini_jax.runtime import soft
 from gemini_jax.runtime.chunking import prefill_pieces
 from gemini_jax.runtime.context import RunContext
 from gemini_jax.runtime.counters import Counters, count_prefill
@@ -24,9 +25,10 @@ class ContiguousRunner:
         ctx = self.ctx
         logits = None
         for padded, pos, n in prefill_pieces(ctx.config, toks, 0):
+            embeds = soft.model_input(ctx, padded[None])  # None unless the chunk holds soft tokens
             logits, self.cache = ctx.step(ctx.params, self.cache._replace(rows=jnp.asarray([row], jnp.int32)),
-                                          jnp.asarray(padded[None]), jnp.asarray(pos[None]),
-                                          jnp.asarray([n - 1], jnp.int32))
+                                          jnp.asarray(padded[None]) if embeds is None else embeds,
+                                          jnp.asarray(pos[None]), jnp.asarray([n - 1], jnp.int32))
             count_prefill(self.stats, ctx.model_cfg, n)
         return logits
 

@@ -15,7 +15,7 @@ from gemini_jax import distributed
 from gemini_jax.attention import kvquant
 from gemini_jax.cache.paged import PagedKV
 from gemini_jax.cache.store import DeviceKV
-from gemini_jax.runtime import prefixes
+from gemini_jax.runtime import prefixes, soft
 from gemini_jax.runtime.batch import StepBatch
 from gemini_jax.runtime.chunking import call_width, prefill_pieces
 from gemini_jax.runtime.context import RunContext
@@ -128,10 +128,12 @@ class PagedRunner(PageRunner):
         width = call_width(ctx.config, ctx.kv, batch.ids, batch.width)
         tables = jnp.asarray(ctx.kv.block_tables(batch.ids, width))
         ends = jnp.asarray(batch.ends, jnp.int32)
-        tokens, positions = jnp.asarray(batch.tokens), jnp.asarray(batch.positions)
+        embeds = soft.model_input(ctx, batch.tokens)  # None unless the call holds soft tokens
+        tokens = jnp.asarray(batch.tokens) if embeds is None else embeds
+        positions = jnp.asarray(batch.positions)
         if ctx.mesh is not None:  # the batch goes over the mesh's data axis (when it divides)
-            sh = distributed.batch_sharding(ctx.mesh, batch.batch, 2)
-            tokens, positions = jax.device_put(tokens, sh), jax.device_put(positions, sh)
+            tokens = jax.device_put(tokens, distributed.batch_sharding(ctx.mesh, batch.batch, tokens.ndim))
+            positions = jax.device_put(positions, distributed.batch_sharding(ctx.mesh, batch.batch, 2))
         select = jnp.asarray(batch.select, jnp.int32)
 
         def step(kv: DeviceKV):

@@ -7,7 +7,9 @@
 
 A page's key is the cache's chained block hash; the store itself is keyed by the engine's
 fingerprint (model, weights, layout, sparse setting), so a hit is the same KV a prefill would
-write, up to the rounding of the call that wrote it.
+write, up to the rounding of the call that wrote it. Blocks from the first soft token on
+(gemini_jax.runtime.soft) are neither stored nor loaded: their ids name rows of one engine's table,
+which another process numbers differently.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ def load(ctx: RunContext, sid: int, prompt, start: int) -> int:
     seq = kv.seqs[sid]
     prev = seq.hashes[-1] if seq.hashes else 0
     hashes = []
-    for i in range(start // S, (len(prompt) - 1) // S):
+    text_only = _text_blocks(ctx, prompt)
+    for i in range(start // S, min((len(prompt) - 1) // S, text_only)):
         prev = block_hash(prev, prompt[i * S:(i + 1) * S])
         if prev not in store:
             break
@@ -69,7 +72,8 @@ def persist(ctx: RunContext, sid: int) -> int:
     if store is None or store.failure is not None:
         return 0
     seq = kv.seqs[sid]
-    todo = [(i, h) for i, h in enumerate(seq.hashes) if h not in store and seq.pages[i] != NULL_PAGE]
+    text_only = _text_blocks(ctx, seq.tokens)
+    todo = [(i, h) for i, h in enumerate(seq.hashes[:text_only]) if h not in store and seq.pages[i] != NULL_PAGE]
     if not todo:
         return 0
     k, v, dig = ctx.store.gather([seq.pages[i] for i, _ in todo])
@@ -84,3 +88,9 @@ def persist(ctx: RunContext, sid: int) -> int:
             break
         done += 1
     return done
+
+
+def _text_blocks(ctx: RunContext, tokens) -> int:
+    """How many leading full blocks of `tokens` come before its first soft token."""
+    soft = np.flatnonzero(np.asarray(tokens) >= ctx.model_cfg.vocab_size)
+    return (int(soft[0]) if len(soft) else len(tokens)) // ctx.kv.block_size

@@ -53,6 +53,7 @@ from gemini_jax.runtime.chunking import call_width
 from gemini_jax.runtime.context import RunContext
 from gemini_jax.runtime.counters import Counters
 from gemini_jax.runtime.fused import FusedDecode
+from gemini_jax.runtime import soft
 from gemini_jax.runtime.paged import PageRunner
 from gemini_jax.tiers.errors import PageCorrupt
 from gemini_jax.tiers.kv_store import TieredStore
@@ -255,7 +256,8 @@ class TieredRunner(PageRunner):
             writes = (continued, fresh, fill_pages_ids)
             logits, reads = self._call_fused(batch, bt, tokens_d, call, writes, before)
             return logits, (reads, 0, width)
-        h = _embed(self.prog, ctx.params, tokens_d)
+        h = soft.model_input(ctx, batch.tokens)  # embeddings when the call holds soft tokens
+        h = _embed(self.prog, ctx.params, tokens_d) if h is None else h
         depth = store.tc.prefetch_depth
         ahead_on = batch.decode and sp.enabled and depth > 0 and store.tc.lookahead > 0
         # The lookahead guesses roughly: it selects `lookahead` x the budget.

@@ -23,7 +23,6 @@ import numpy as np
 
 from gemini_jax.config import SamplingParams
 from gemini_jax.errors import BudgetExceeded, ConfigError, ContextLengthError
-from gemini_jax.model import validate_tokens
 from gemini_jax.runtime import make_runner, new_stats
 from gemini_jax.runtime.multistep import LoopInputs, LoopSpec
 from gemini_jax.sampling import sample_with
@@ -52,6 +51,7 @@ class Session:
         self._stop = threading.Event()
         self._on_stop = []  # callbacks run once when iteration ends (audit records): `on_stop`
         self._ahead: list = []  # (token, logits after it) computed ahead, not yet yielded
+        self.soft_sources: list[dict] = []  # a restored snapshot's soft-token sources (encoders, fingerprints)
 
     # ---- state ------------------------------------------------------------------------------
     @property
@@ -87,7 +87,7 @@ class Session:
 
     def feed(self, tokens, *, what: str = "prompt") -> None:
         """Prefill `tokens` after the current end (the prompt, or an instruction)."""
-        toks = validate_tokens(tokens, self.engine.model_cfg.vocab_size, what)
+        toks = self.engine.token_ids(tokens, what)
         self._settle()
         self._check_room(len(toks), what)
         self.charge(len(toks) * self.engine.model_cfg.num_layers, what)
@@ -228,7 +228,9 @@ def restore_session(engine, path: str, *, params: SamplingParams | None = None, 
                                  f"exceeds max_seq_len={engine.config.max_seq_len}.")
     sess = Session(engine, params, budget=budget if budget is not None else meta["budget"],
                    sample_index=meta["sample_index"])
+    meta = {**meta, "tokens": snapshot.restore_soft(engine, path, meta, arrays)}
     snapshot.restore_pages(engine, sess.seq_id, meta, arrays)
+    sess.soft_sources = [s["source"] for s in meta.get("soft", [])]
     sess.logits = jnp.asarray(arrays["logits"])[None]
     sess.prompt_len = meta["prompt_len"]
     sess.generated = list(meta["generated"])

@@ -77,6 +77,11 @@ def save_snapshot(sess, path: str, *, include_kv: bool = True, image: "images.Se
             arrays[name] = x
     if image.digests is not None:
         arrays["digests"] = image.digests
+    # Soft tokens (encoder outputs): their vectors travel with the snapshot, since their ids name rows
+    # of this engine's table, which another engine numbers differently (restore_soft renumbers).
+    used = e.ctx.soft.entries_in(image.tokens) if e.ctx.soft is not None else []
+    if used:
+        arrays["soft_vectors"] = np.concatenate([e.ctx.soft.vectors(s) for s in used])
     meta = {
         "format": FORMAT,
         "created": time.time(),
@@ -92,6 +97,7 @@ def save_snapshot(sess, path: str, *, include_kv: bool = True, image: "images.Se
         "budget": sess.budget,
         "compute_units": sess.compute_units,
         "arrays_sha256": {k: _sha(v) for k, v in sorted(arrays.items())},
+        "soft": [{"key": s.key, "first": s.first, "n": s.n, "source": s.source} for s in used],
     }
     path = os.path.abspath(path)
     parent = os.path.dirname(path)
@@ -187,3 +193,23 @@ def restore_pages(engine, seq_id: int, meta: dict, arrays: dict) -> None:
     image = images.SequenceImage(tokens=tuple(meta["tokens"]), null_pages=tuple(meta["null_pages"]),
                                  k=k, v=v, digests=arrays.get("digests"))
     images.restore(engine.kv, engine.store, seq_id, image)
+
+
+def restore_soft(engine, path: str, meta: dict, arrays: dict) -> list[int]:
+    """The snapshot's tokens with its soft-token ids renumbered for `engine`: each input's vectors are
+    registered in the engine's table (an input it holds already keeps its ids). SnapshotError when the
+    recorded vectors do not match their entries."""
+    tokens = np.asarray(meta["tokens"], np.int64)
+    entries = meta.get("soft", [])
+    if not entries:
+        return [int(t) for t in tokens]
+    vectors = arrays.get("soft_vectors")
+    if vectors is None or len(vectors) != sum(s["n"] for s in entries):
+        raise SnapshotError(f"snapshot {path!r}: its soft tokens' vectors are missing or do not match its entries.")
+    base, out, at = engine.model_cfg.vocab_size, tokens.copy(), 0
+    for s in entries:
+        ids = engine.ctx.soft.add(s["key"], vectors[at:at + s["n"]], s["source"])
+        at += s["n"]
+        old = (tokens >= base + s["first"]) & (tokens < base + s["first"] + s["n"])
+        out[old] = ids[tokens[old] - base - s["first"]]
+    return [int(t) for t in out]

@@ -13,6 +13,9 @@ random tokens. One row per (path, family):
                                                                                     (invariant 4)
     resume   interrupt after half the tokens, snapshot, resume in a second engine vs the
              uninterrupted run: the logits of the tokens after the resume point     (invariant 5)
+    soft     soft tokens (seeded random vectors at the scale of the embedding table) in the
+             middle of each prompt, through the paged engine, vs the full-sequence forward on
+             embeddings (gemini_jax.encoders.forward_embeds), teacher-forced   (invariant 2)
 
 `max_abs_err` is max |ours - ref| over every compared logit; `max_rel_err` is that over max |ref|
 (the relative error tests/test_weights.py asserts; per-element ratios blow up at logits near 0).
@@ -38,7 +41,7 @@ from gemini_jax.eval.studies import as_tuple
 from gemini_jax.model import forward
 from gemini_jax.testing import FAMILIES, random_model, random_prompts, tiny_config
 
-PATHS = ("hf", "engine", "sparse", "tiered", "resume")
+PATHS = ("hf", "engine", "sparse", "tiered", "resume", "soft")
 BLOCK = 8   # tokens per KV page: the prompts span several pages and end inside one
 CHUNK = 32  # prefill chunk: the prompts take several; a chunk writes 4-5 pages, which with the pinned
             # pages must fit the tiered path's device slots
@@ -53,6 +56,7 @@ TOLERANCES = {
     "tiered": (1e-5, "max_abs_err", "tests/test_tiers_engine.py::test_budgets_and_prefetch_depths_keep_the_numbers"),
     # The resume tests compare tokens (a first difference must be a near-tie), not logits.
     "resume": (None, "tokens", "tests/test_session.py::test_resume_equals_fresh_run_50_cases"),
+    "soft": (1e-5, "max_abs_err", "tests/test_prompt_images.py::test_image_prompt_reproduces_the_dense_reference"),
 }
 
 # The transformers model per family, its quirks switched on as tests/test_weights.py does: windows
@@ -186,8 +190,9 @@ def _hf_row(family: str, seed: int, length: int) -> dict:
                 note=f"transformers {transformers.__version__}, eager attention")
 
 
-def _engine_config(cfg: Config, **over) -> EngineConfig:
-    max_len = -(-(max(cfg.prompt_lengths) + cfg.new_tokens) // BLOCK) * BLOCK
+def _engine_config(cfg: Config, extra: int = 0, **over) -> EngineConfig:
+    """The engines' config; `extra` tokens more than the longest prompt (soft tokens)."""
+    max_len = -(-(max(cfg.prompt_lengths) + extra + cfg.new_tokens) // BLOCK) * BLOCK
     return EngineConfig(max_seq_len=max_len, max_batch=len(cfg.prompt_lengths), prefill_chunk=CHUNK,
                         cache=CacheConfig(block_size=BLOCK), **over)
 
@@ -224,7 +229,41 @@ def _engine_rows(family: str, seed: int, cfg: Config, paths: list) -> list:
                                   f"{out.stats['pages_fetched_host']} page fetches from host"))
     if "resume" in paths:
         rows.append(_resume_row(model, family, seed, prompts[0], cfg.new_tokens, base))
+    if "soft" in paths:
+        rows.append(_soft_row(model, family, seed, prompts, params, _engine_config(cfg, extra=SOFT_TOKENS)))
     return rows
+
+
+SOFT_TOKENS = 4  # soft tokens per prompt in the soft path
+
+
+def _soft_row(model, family: str, seed: int, prompts: list, params, config: EngineConfig) -> dict:
+    """Each prompt with SOFT_TOKENS random soft tokens in its middle, through the paged engine, vs
+    the full-sequence forward on embeddings teacher-forced on the engine's tokens."""
+    from gemini_jax.encoders import forward_embeds  # the encoders' stack loads only for this path
+
+    rng = np.random.default_rng([seed, SOFT_TOKENS])
+    scale = float(np.std(np.asarray(model.embed[...])))
+    with Engine(model, config) as eng:
+        mixed = []
+        for i, p in enumerate(prompts):
+            vec = (scale * rng.standard_normal((SOFT_TOKENS, model.cfg.hidden_size))).astype(np.float32)
+            ids = eng.soft.add(f"exactness-{family}-{seed}-{i}", vec, {"encoder": "random", "seed": str(seed)})
+            mid = len(p) // 2
+            mixed.append((p[:mid], vec, p[mid:], [int(t) for t in ids]))
+        out = eng.generate([a + ids + b for a, _, b, ids in mixed], params, return_logits=True)
+    refs = []
+    for (a, vec, b, _), gen in zip(mixed, out.tokens):
+        emb = np.concatenate([np.asarray(model.embed_tokens(np.asarray(a, np.int32))), vec,
+                              np.asarray(model.embed_tokens(np.asarray(b + gen, np.int32)))])
+        start = len(a) + SOFT_TOKENS + len(b) - 1
+        refs.append(np.asarray(forward_embeds(model, emb))[start:start + len(gen)])
+    errs = _errors(out.logits, refs)
+    shape = (f"f32[{len(prompts)}, {params.max_new_tokens}, {model.cfg.vocab_size}] (prompts of "
+             f"{'/'.join(str(len(p) + SOFT_TOKENS) for p in prompts)} tokens with {SOFT_TOKENS} soft ones in the "
+             f"middle, decode steps, vocab); block {BLOCK}, chunk {CHUNK}")
+    return _row("soft", family, seed, shape, _public(errs), within_tolerance=_within("soft", errs),
+                tokens_equal=None, note="paged engine; reference: forward on embeddings, teacher-forced")
 
 
 def _compare_runs(path: str, family: str, seed: int, shape: str, out, ref, note: str) -> dict:
