@@ -14,15 +14,30 @@ from gemini_jax.code.languages import language_spec
 from gemini_jax.code.nodes import ParsedSource, grammar, walk_normalized
 
 DEFINITIONS = ("FunctionDecl", "ClassDecl")
+_CONTINUES = b" \t)]}"  # a line starting with one of these continues the block above it
 
 
 def definition_starts(data: bytes, language: str) -> list[int]:
     """Sorted byte offsets of `data` at which a top-level function or class definition begins (its
-    decorators included, from the start of its line). ConfigError for an unknown language."""
+    decorators included, from the start of its line). ConfigError for an unknown language.
+
+    Two readings, united: the whole text parsed at once (definitions anywhere tree-sitter's recovery
+    keeps them), and each top-level block parsed on its own, a block being a line at column 0 with
+    the indented, blank or closing-bracket lines after it (decorator lines join the block below).
+    The second keeps one broken stretch (a file cut mid-string, a question in prose) from hiding
+    every definition after it."""
     spec = language_spec(language)
-    tree = tree_sitter.Parser(grammar(spec)).parse(bytes(data))
-    starts = set()
-    for node, ts_node in walk_normalized(ParsedSource(spec=spec, data=bytes(data), tree=tree)):
+    data = bytes(data)
+    parser = tree_sitter.Parser(grammar(spec))
+    starts = set(_starts_in(parser, spec, data, 0))
+    for begin, end in _blocks(data):
+        starts.update(s for s in _starts_in(parser, spec, data[begin:end], begin) if s == begin)
+    return sorted(starts)
+
+
+def _starts_in(parser, spec, data: bytes, offset: int):
+    tree = parser.parse(data)
+    for node, ts_node in walk_normalized(ParsedSource(spec=spec, data=data, tree=tree)):
         if node.depth != 0 or node.kind not in DEFINITIONS:
             continue
         if ts_node.parent is not None and ts_node.parent.type == "decorated_definition":
@@ -31,5 +46,22 @@ def definition_starts(data: bytes, language: str) -> list[int]:
         line = data.rfind(b"\n", 0, start) + 1
         if not data[line:start].strip():  # only indentation before it: the page starts with the line
             start = line
-        starts.add(start)
-    return sorted(starts)
+        yield offset + start
+
+
+def _blocks(data: bytes):
+    """(begin, end) byte spans of the top-level blocks of `data` (see `definition_starts`)."""
+    begin, pos, decorated = 0, 0, False
+    while pos < len(data):
+        nl = data.find(b"\n", pos)
+        end = len(data) if nl < 0 else nl + 1
+        line = data[pos:end]
+        top = line.strip() != b"" and line[:1] not in _CONTINUES and not line.startswith(b"\n")
+        if top and pos > begin and not decorated:
+            yield begin, pos
+            begin = pos
+        if top:
+            decorated = line.startswith(b"@")
+        pos = end
+    if begin < len(data):
+        yield begin, len(data)
