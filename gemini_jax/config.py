@@ -187,7 +187,8 @@ class CacheConfig:
 
     align: "none" (pages are fixed token spans) or "syntax": the prompt is read as source code in
     `align_language` (token ids 0-255 as bytes: a byte-level model) and a new page starts at each
-    top-level definition (function or class), the rest of the page before it left as padding that
+    definition (function or class) inside at most `align_depth` other definitions (0: top-level ones;
+    1: the methods of top-level classes too), the rest of the page before it left as padding that
     attention, digests and selection mask. A page then never spans two definitions. Rope keeps the
     tokens' true positions, so the numbers are those of fixed pages (exact up to rounding); the
     padding costs slots (and `max_seq_len` counts them). Supported on the paged cache, XLA
@@ -203,6 +204,7 @@ class CacheConfig:
     prefix_caching: bool = True
     align: str = "none"
     align_language: str = "python"
+    align_depth: int = 0
 
     def __post_init__(self):
         _require(self.kind in ("contiguous", "paged"),
@@ -215,6 +217,9 @@ class CacheConfig:
         _require(self.dtype is None or self.dtype in DTYPES + KV_QUANT_DTYPES,
                  f"cache.dtype={self.dtype!r} must be None or one of {DTYPES + KV_QUANT_DTYPES}.")
         _require(self.align in ALIGN_MODES, f"cache.align={self.align!r} must be one of {ALIGN_MODES}.")
+        _require(isinstance(self.align_depth, int) and not isinstance(self.align_depth, bool) and self.align_depth >= 0,
+                 f"cache.align_depth={self.align_depth!r} must be an integer >= 0 (0: top-level definitions only; "
+                 f"1: methods too).")
         _require(self.align == "none" or self.kind == "paged",
                  f"cache.align={self.align!r} lays out pages: it needs cache.kind='paged' (got {self.kind!r}).")
 

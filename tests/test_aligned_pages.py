@@ -64,7 +64,7 @@ def test_definition_starts_on_real_code(source):
     for s in starts:
         line = source[s:source.index(b"\n", s)]
         assert s == 0 or source[s - 1:s] == b"\n", f"boundary {s} is not at a line start"
-        assert line.startswith((b"def ", b"class ", b"@")), f"boundary {s} opens {line[:30]!r}"
+        assert line.lstrip().startswith((b"def ", b"class ", b"@")), f"boundary {s} opens {line[:30]!r}"
     # Every top-level def / class line of the file is a boundary (none is inside another definition).
     want = {i + 1 for i in range(len(source)) if source.startswith((b"\ndef ", b"\nclass "), i)}
     assert want <= set(starts), sorted(want - set(starts))[:5]
@@ -88,6 +88,9 @@ def test_definition_starts_skip_nested_and_survive_broken_text():
     assert not any(src[s:].startswith((b"    def", b"def inner", b"def method")) for s in starts)
     assert any(src[s:].startswith(b"class K") for s in starts), "recovery after broken text lost a definition"
     assert definition_starts(b"", "python") == []
+    # align_depth 1: methods and functions nested in a top-level definition start pages too, not deeper ones.
+    deeper = [src[s:].split(b"\n", 1)[0].strip() for s in definition_starts(src, "python", 1)]
+    assert deeper == [b"@decorator(1)", b"def inner(y):", b"class K:", b"def method(self):"], deeper
     # A definition cut inside its body (its docstring never closes) is not recognized: the grammar cannot
     # say what it is. The definitions before it still are.
     cut = b"def a():\n    return 1\n\nclass B:\n    \"\"\"never closed\n    def c(se"

@@ -17,9 +17,12 @@ DEFINITIONS = ("FunctionDecl", "ClassDecl")
 _CONTINUES = b" \t)]}"  # a line starting with one of these continues the block above it
 
 
-def definition_starts(data: bytes, language: str) -> list[int]:
-    """Sorted byte offsets of `data` at which a top-level function or class definition begins (its
-    decorators included, from the start of its line). ConfigError for an unknown language.
+def definition_starts(data: bytes, language: str, max_depth: int = 0) -> list[int]:
+    """Sorted byte offsets of `data` at which a function or class definition begins (its decorators
+    included, from the start of its line): those inside no other definition (top-level, or under a
+    module-level `if` / `try`), and with `max_depth` >= 1 those inside up to that many (1: the
+    methods of a top-level class, functions nested in a top-level function). ConfigError for an
+    unknown language.
 
     Two readings, united: the whole text parsed at once (definitions anywhere tree-sitter's recovery
     keeps them), and each top-level block parsed on its own, a block being a line at column 0 with
@@ -29,16 +32,23 @@ def definition_starts(data: bytes, language: str) -> list[int]:
     spec = language_spec(language)
     data = bytes(data)
     parser = tree_sitter.Parser(grammar(spec))
-    starts = set(_starts_in(parser, spec, data, 0))
+    starts = set(_starts_in(parser, spec, data, 0, max_depth))
     for begin, end in _blocks(data):
-        starts.update(s for s in _starts_in(parser, spec, data[begin:end], begin) if s == begin)
+        starts.update(_starts_in(parser, spec, data[begin:end], begin, max_depth))
     return sorted(starts)
 
 
-def _starts_in(parser, spec, data: bytes, offset: int):
+def _starts_in(parser, spec, data: bytes, offset: int, max_depth: int):
     tree = parser.parse(data)
+    enclosing: list[int] = []  # end bytes of the definitions around the current node (pre-order walk)
     for node, ts_node in walk_normalized(ParsedSource(spec=spec, data=data, tree=tree)):
-        if node.depth != 0 or node.kind not in DEFINITIONS:
+        while enclosing and enclosing[-1] <= node.start_byte:
+            enclosing.pop()
+        if node.kind not in DEFINITIONS:
+            continue
+        nested = len(enclosing)  # definitions around this one (an `if` or `try` around it does not count)
+        enclosing.append(node.end_byte)
+        if nested > max_depth:
             continue
         if ts_node.parent is not None and ts_node.parent.type == "decorated_definition":
             ts_node = ts_node.parent  # Python: the decorators belong to the definition

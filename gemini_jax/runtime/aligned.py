@@ -58,7 +58,7 @@ def slot_tokens(config: EngineConfig, toks) -> np.ndarray:
     data = bytes(int(t) if 0 <= t < 256 else 10 for t in toks)  # one byte per token: offsets are indices
     S = c.block_size
     out, slot, prev = [], 0, 0
-    for start in definition_starts(data, c.align_language):
+    for start in definition_starts(data, c.align_language, c.align_depth):
         piece = toks[prev:start]
         out.append(piece)
         slot += len(piece)
