@@ -463,6 +463,37 @@ def code_block(results_dir: str) -> str:
                                  f"`{rec['commit'][:7]}`."])
 
 
+ALIGN_LABELS = {"aligned": "top-level definitions", "aligned_methods": "definitions and methods"}
+
+
+def align_block(results_dir: str) -> str:
+    rec = _load(results_dir, "align_pages/align_pages")
+    if rec is None:
+        return _missing("align")
+    a = rec["config"]
+    rows = ["| context | pages start at | needle, fixed pages | needle, aligned | aligned - fixed (paired, 95%) | KV "
+            "bytes vs fixed | padding per prompt | recall fixed | recall aligned | aligned - fixed (95%) | verdict |",
+            "|---:|---|---|---|---|---:|---:|---:|---:|---|---|"]
+
+    def acc(c):
+        return f"{c['hits']}/{c['trials']}"
+    for base in rec["summary"].values():
+        for lay, label in ALIGN_LABELS.items():
+            s = base[lay + "_vs_fixed"]
+            nd, rd = s["needle_diff"], s["recall_diff"]
+            rows.append(f"| {base['length']} | {label} | {acc(base['fixed'])} | {acc(base[lay])} | {nd['points']:+.1f} "
+                        f"[{nd['ci95'][0]:+.1f}, {nd['ci95'][1]:+.1f}] points | {s['kv_bytes_vs_fixed']:.3f}× | "
+                        f"{s['pads_per_prompt']:.0f} slots | {base['fixed_recall']['mean']:.3f} | {s['recall']['mean']:.3f} | "
+                        f"{rd['mean']:+.3f} [{rd['ci95'][0]:+.3f}, {rd['ci95'][1]:+.3f}] | {s['verdict']} |")
+    dense = "; ".join(f"{b['length']}: {acc(b['dense'])}" for b in rec["summary"].values())
+    return "\n".join(rows + ["", f"Sparse budget {a['budget']} tokens (sink {a['sink_pages']}, local {a['local_pages']} "
+                                 f"pages of {a['block_size']}), the same for both layouts; needle {a['trials']} test "
+                                 f"trials per depth x {len(a['depths'])} depths, the same prompts for every mode (dense "
+                                 f"ceiling {dense}); recall: {a['windows']} windows, minmax digests. No target: the "
+                                 f"question is whether alignment helps; *verdict* says whether a paired interval excludes "
+                                 f"zero. {_link('align_pages/align_pages')}, commit `{rec['commit'][:7]}`."])
+
+
 def encoders_block(results_dir: str) -> str:
     rec = _load(results_dir, "encoders/digits")
     if rec is None:
@@ -541,7 +572,7 @@ BLOCKS = {"needle": needle_block, "bpb": bpb_block, "make_run": make_run_block, 
           "decode": decode_block, "tiers": tiers_block, "prefix": prefix_block,
           "serve": serve_block, "reproduce": reproduce_block,
           "kv_quant": kv_quant_block, "code": code_block,
-          "encoders": encoders_block, "ruler": ruler_block}
+          "encoders": encoders_block, "ruler": ruler_block, "align": align_block}
 
 
 def render(text: str, results_dir: str) -> tuple[str, int]:

@@ -30,7 +30,7 @@ from gemini_jax.config import EngineConfig, SamplingParams
 from gemini_jax.errors import ConfigError, ContextLengthError
 from gemini_jax.model import Decoder, validate_tokens
 from gemini_jax.encoders.prompt import Prompt, check_encoders
-from gemini_jax.runtime import COUNTERS, RunContext, make_runner, new_stats
+from gemini_jax.runtime import COUNTERS, RunContext, aligned, make_runner, new_stats
 from gemini_jax.runtime.multistep import LoopInputs, LoopSpec
 from gemini_jax.runtime.soft import SoftTable
 from gemini_jax.sampling import sample_with
@@ -64,6 +64,7 @@ class Engine:
         self.config = config or EngineConfig()
         graphdef, params = nnx.split(model)
         c = self.config.cache
+        aligned.check_model(self.config, model.cfg)
         self.cache_dtype = jnp.dtype(c.dtype or model.cfg.dtype)
         self.stats = new_stats()  # cumulative over the engine's life (read it like a dict)
         self.kv = None  # host page bookkeeping (paged caches)
@@ -172,6 +173,8 @@ class Engine:
                 f"{what} has {len(toks)} tokens + max_new_tokens={params.max_new_tokens} = {need} > "
                 f"EngineConfig.max_seq_len={self.config.max_seq_len}; shorten the prompt, lower "
                 f"max_new_tokens or raise max_seq_len.")
+        if self.config.cache.align != "none":  # padding slots count too: refused before any work
+            aligned.check_length(self.config, aligned.slot_tokens(self.config, toks), len(toks), params.max_new_tokens)
         return toks
 
     # ---- generation -----------------------------------------------------------------------
@@ -197,6 +200,7 @@ class Engine:
     def start(self, prompt, params: SamplingParams | None = None, *, budget: int | None = None):
         """A `Session` over `prompt`: iterate it for tokens; interrupt, snapshot, resume."""
         params = params or SamplingParams()
+        self._refuse_aligned_sessions("start")
         toks = self._check_request(prompt, params, "prompt")
         sess = Session(self, params, budget=budget)
         try:
@@ -213,6 +217,7 @@ class Engine:
         """Restore a snapshot, optionally rewind to `rewind_to` tokens, prefill the instruction,
         and return the live Session. Every check (fingerprint, context, budget, token ids) runs
         before any state changes; a refused resume leaves the engine as it was."""
+        self._refuse_aligned_sessions("resume")
         sess = restore_session(self, path, params=params, budget=budget)
         try:
             check_encoders(instruction_tokens, sess.soft_sources, f"snapshot {path!r}")
@@ -243,6 +248,11 @@ class Engine:
             audit.attach(sess, audit_log, snapshot=path, snapshot_hash=sess.snapshot_hash, position=position,
                          rewind_to=rewind_to, instruction_tokens=instr, instruction_text=instruction_text)
         return sess
+
+    def _refuse_aligned_sessions(self, what: str) -> None:
+        if self.config.cache.align != "none":
+            raise ConfigError(f"Engine.{what}: sessions (interrupt, snapshot, resume) do not run with "
+                              f"cache.align={self.config.cache.align!r} yet; use generate / score, or cache.align='none'.")
 
     def score(self, prompts, continuations) -> GenerateOutput:
         """Teacher-forced log-probabilities of `continuations` after `prompts`, computed through
@@ -385,10 +395,15 @@ class DecodeRows:
                 self.out_logits[b].extend(logits[b, :cut])
 
 
-def _run(graphdef, backend, params, cache, tokens, positions, select):
-    """One jitted model call: tokens/positions [B, T] -> logits f32[B, V] at `select`, new cache."""
+def _run(graphdef, backend, params, cache, tokens, positions, select, rope=None):
+    """One jitted model call: tokens/positions [B, T] -> logits f32[B, V] at `select`, new cache.
+    `rope` [B, T]: the tokens' positions when `positions` are cache slots that differ from them
+    (syntax-aligned pages); None: the same."""
     model = nnx.merge(graphdef, params)
-    logits, cache = model(tokens, positions, backend, cache, select=select)
+    if rope is not None:
+        logits, cache = model(tokens, rope, backend, cache, select=select, slots=positions)
+    else:
+        logits, cache = model(tokens, positions, backend, cache, select=select)
     return logits[:, 0], cache
 
 

@@ -215,3 +215,40 @@ def test_exactness_without_transformers_records_no_figure(monkeypatch):
     [row] = res.records
     assert row["max_abs_err"] is None and row["max_rel_err"] is None and row["within_tolerance"] is None
     assert row["note"].startswith("transformers not installed") and res.extra["versions"]["transformers"] is None
+
+
+def test_digest_recall_study_runs_and_scores_each_block_size():
+    study = studies.load("digest_recall")
+    res = study.run(study.Config(contexts=(160,), windows=1, block_sizes=(8, 16), budget=48, queries=2, rerank=2))
+    assert [r["block_size"] for r in res.records] == [8, 16]
+    for r in res.records:
+        assert 0.0 <= r["minmax"] <= 1.0 and 0.0 <= r["minmax+rerank2"] <= 1.0, r
+
+
+def test_align_pages_study_pairs_every_mode_on_the_same_trials():
+    study = studies.load("align_pages")
+    cfg = study.Config(lengths=(384,), depths=(0.5,), trials=2, windows=1, budget=96, block_size=16, queries=2)
+    res = study.run(cfg)
+    needles = [r for r in res.records if r["kind"] == "needle"]
+    assert len(needles) == 2 and {r["trial"] for r in needles} == {0, 1}
+    for r in needles:
+        for m in study.MODES:
+            assert isinstance(r[f"{m}_ok"], bool) and r[f"{m}_kv_bytes"] > 0, (m, r)
+        assert r["fixed_kv_bytes"] < r["dense_kv_bytes"], "sparse read as much as dense: the budget did not apply"
+    summary = res.extra["summary"]["384"]
+    for lay in study.ALIGNED:
+        s = summary[f"{lay}_vs_fixed"]
+        lo, hi = s["needle_diff"]["ci95"]
+        assert lo <= s["needle_diff"]["points"] <= hi and s["verdict"] in (
+            "helps", "hurts", "mixed", "no measurable difference")
+    record = {"config": dataclasses.asdict(cfg), "date": "d", "command": "c", "seconds": 1.0,
+              "commit": "x", "summary": res.extra["summary"]}
+    assert "| top-level definitions |" in study.markdown(record)
+
+
+def test_align_pages_verdict_reads_the_intervals():
+    v = studies.load("align_pages").verdict
+    assert v({"needle_diff": {"ci95": [1, 5]}, "recall_diff": {"ci95": [-0.1, 0.1]}}) == "helps"
+    assert v({"needle_diff": {"ci95": [-5, -1]}, "recall_diff": {"ci95": [-0.1, 0.1]}}) == "hurts"
+    assert v({"needle_diff": {"ci95": [1, 5]}, "recall_diff": {"ci95": [-0.3, -0.1]}}) == "mixed"
+    assert v({"needle_diff": {"ci95": [-5, 5]}, "recall_diff": {"ci95": [-0.1, 0.1]}}) == "no measurable difference"

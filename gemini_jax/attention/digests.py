@@ -49,7 +49,7 @@ def update(kind: str, digests, k_pool, layer, span: Span, unrope=None):
     `span.page_ids` (default: the same tables). They differ under tiers: the pool is a set of
     device slots, while digests are kept for every page id.
     """
-    positions, lengths, block_tables, digest_tables = span
+    positions, lengths, block_tables, digest_tables = span.positions, span.lengths, span.tables, span.page_ids
     S = k_pool.shape[3]
     P = k_pool.shape[2]
     B, T = positions.shape
@@ -59,6 +59,8 @@ def update(kind: str, digests, k_pool, layer, span: Span, unrope=None):
     in_table = logical < block_tables.shape[1]
     phys = jnp.take_along_axis(block_tables, jnp.clip(logical, 0, block_tables.shape[1] - 1), axis=1)
     count = jnp.clip(lengths[:, None] - logical * S, 0, S)  # valid slots per touched page
+    if span.fill is not None:  # syntax-aligned pages: a page's padding is not digested
+        count = jnp.minimum(count, jnp.take_along_axis(span.fill, jnp.clip(logical, 0, span.fill.shape[1] - 1), axis=1))
     last_written = positions[:, -1:] // S
     touched = in_table & (logical <= last_written) & (count > 0)
     # Quantized keys are digested as they read back: a digest recomputed from the pool stays the

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from gemini_jax.attention import kvquant
 from gemini_jax.attention.paged_decode import decode_over_pages
 from gemini_jax.attention.sparse import sparse_attention
-from gemini_jax.attention.views import PageView, Selection
+from gemini_jax.attention.views import PageView, Selection, slot_valid
 from gemini_jax.config import ModelConfig
 from gemini_jax.model import layers
 from pallas_kernels.paged_decode import paged_decode_attention
@@ -86,7 +86,7 @@ def attend_pages(spec: AttentionImpl, queries, kv_layer, view: PageView, window,
     if layer is not None:
         kv_layer = (kv_layer[0][layer], kv_layer[1][layer])
     k_layer, v_layer = kv_layer
-    if spec.impl == "pallas" and q.shape[1] == 1:
+    if spec.impl == "pallas" and q.shape[1] == 1 and view.fill is None:
         (k, ks), (v, vs) = kvquant.kernel_operands(k_layer), kvquant.kernel_operands(v_layer)
         return _by_window(spec, window, lambda w: lambda: paged_decode_attention(
             q[:, 0], k, v, view.tables, view.lengths, sm_scale=spec.scale, soft_cap=spec.cap,
@@ -95,7 +95,12 @@ def attend_pages(spec: AttentionImpl, queries, kv_layer, view: PageView, window,
     kk = gather_pages(k_layer, view.tables, q.dtype)
     vv = gather_pages(v_layer, view.tables, q.dtype)
     k_pos = jnp.broadcast_to(jnp.arange(kk.shape[1], dtype=jnp.int32), kk.shape[:2])
-    mask = layers.attention_mask(q_pos, k_pos, k_pos < view.lengths[:, None], window)
+    valid = k_pos < view.lengths[:, None]
+    held = slot_valid(view.fill, jnp.broadcast_to(jnp.arange(view.tables.shape[1]), view.tables.shape),
+                      k_layer.shape[2])
+    if held is not None:  # syntax-aligned pages: their padding slots are masked
+        valid = valid & held.reshape(valid.shape)
+    mask = layers.attention_mask(q_pos, k_pos, valid, window)
     return layers.dense_attention(q, kk, vv, mask, scale=spec.scale, cap=spec.cap)
 
 
@@ -104,7 +109,7 @@ def attend_selected(spec: AttentionImpl, queries, kv_layer, view: PageView, sel:
     """Attention over the selected pages only (equal to `attend_pages` restricted to them). With
     return_lse (XLA path), also the log-sum-exp that merges it with attention over other pages."""
     q, _ = queries
-    if spec.impl == "pallas" and q.shape[1] == 1 and sel.shift is None and not return_lse:
+    if spec.impl == "pallas" and q.shape[1] == 1 and sel.shift is None and not return_lse and view.fill is None:
         (k, ks), (v, vs) = kvquant.kernel_operands(kv_layer[0]), kvquant.kernel_operands(kv_layer[1])
         return _by_window(spec, window, lambda w: lambda: sparse_decode_attention(
             q[:, 0], k, v, view.tables, view.lengths, sel.pages, sm_scale=spec.scale,

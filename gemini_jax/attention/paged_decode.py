@@ -34,7 +34,7 @@ def decode_over_pages(queries, kv_layer, view, window, *, scale: float, cap=None
     which makes a step's cost grow with the pool rather than with the pages it reads."""
     q, q_pos = queries
     k_layer, v_layer = kv_layer
-    tables, lengths = view
+    tables, lengths, fill = view.tables, view.lengths, view.fill
     B, _, H, D = q.shape
     K, _, S, _ = k_layer.shape[-4:]
 
@@ -49,14 +49,18 @@ def decode_over_pages(queries, kv_layer, view, window, *, scale: float, cap=None
     n_chunks = -(-W // C)
     # Padding pages are the null page at positions >= lengths: masked.
     tables = jnp.pad(tables, ((0, 0), (0, n_chunks * C - W))).reshape(B, n_chunks, C)
+    # Syntax-aligned pages (`PageView.fill`): slots past a page's fill are padding, masked. Without
+    # fills the program is the one of fixed pages (no extra operand, no extra compare).
+    if fill is not None:
+        fill = jnp.pad(fill, ((0, 0), (0, n_chunks * C - W)), constant_values=S).reshape(B, n_chunks, C)
 
     def row(args):
-        qr, pos, table, length = args  # [H, D], [], [n_chunks, C], []
+        qr, pos, table, length, fills = args  # [H, D], [], [n_chunks, C], [], [n_chunks, C] or None
         qg = qr.reshape(K, G, D)
 
         def chunk(carry, xs):
             m, l, acc = carry  # [K, G], [K, G], [K, G, D]
-            pages, c = xs
+            pages, c, page_fill = xs if fills is not None else (*xs, None)
             kk = pages_of(k_layer, pages).reshape(K, C * S, D)
             vv = pages_of(v_layer, pages).reshape(K, C * S, D)
             s = jax.lax.dot_general(kk, qg, (((2,), (2,)), ((0,), (0,))),
@@ -65,6 +69,8 @@ def decode_over_pages(queries, kv_layer, view, window, *, scale: float, cap=None
             k_pos = c * C * S + jnp.arange(C * S, dtype=jnp.int32)
             diff = pos - k_pos
             ok = (k_pos < length) & (diff >= 0) & ((window <= 0) | (diff < window))  # [C*S]
+            if page_fill is not None:
+                ok = ok & (jnp.arange(S)[None, :] < page_fill[:, None]).reshape(C * S)
             s = jnp.where(ok[None, :, None], s, layers.NEG_INF)
             m_new = jnp.maximum(m, jnp.max(s, axis=1))
             p = jnp.where(ok[None, :, None], jnp.exp(s - m_new[:, None, :]), 0.0)
@@ -78,8 +84,9 @@ def decode_over_pages(queries, kv_layer, view, window, *, scale: float, cap=None
 
         init = (jnp.full((K, G), layers.NEG_INF, jnp.float32), jnp.zeros((K, G), jnp.float32),
                 jnp.zeros((K, G, D), jnp.float32))
-        (m, l, acc), _ = jax.lax.scan(chunk, init, (table, jnp.arange(n_chunks, dtype=jnp.int32)))
+        xs = (table, jnp.arange(n_chunks, dtype=jnp.int32)) + (() if fills is None else (fills,))
+        (m, l, acc), _ = jax.lax.scan(chunk, init, xs)
         return (acc / jnp.maximum(l, 1e-30)[..., None]).reshape(H, D)
 
-    out = jax.lax.map(row, (q[:, 0], q_pos[:, 0], tables, lengths))
+    out = jax.lax.map(row, (q[:, 0], q_pos[:, 0], tables, lengths, fill))  # fill None: an empty pytree
     return out[:, None].astype(q.dtype)

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from gemini_jax.attention import kvquant
-from gemini_jax.attention.views import PageView
+from gemini_jax.attention.views import PageView, slot_valid
 from gemini_jax.model.layers import rope_angles, rotate
 
 NEG = -jnp.inf
@@ -128,12 +128,13 @@ def scoring_queries(q, q_pos, lengths, score_queries: int):
     return jnp.take_along_axis(q, idx[:, :, None, None], axis=1), jnp.take_along_axis(q_pos, idx, axis=1)
 
 
-def exact_page_scores(q, k_layer, block_tables, lengths, pages, *, group_reduce: str, unrope=None):
+def exact_page_scores(q, k_layer, block_tables, lengths, pages, *, group_reduce: str, unrope=None, fill=None):
     """The largest q.k over each listed page's real keys: q [B, m, H, D] (the scoring queries),
     k_layer [K, P, S, D] (one layer's key pool), pages i32[B, K, n] logical (-1: none)
     -> f32[B, K, n] (-inf for -1). Reduced like `page_scores`: max over the queries, then over
     the group's heads by `group_reduce`. With `unrope` (the rope's inv_freq) keys are turned back
-    to position 0 first, to meet queries already turned for `score_distance`."""
+    to position 0 first, to meet queries already turned for `score_distance`. `fill`: see
+    `PageView.fill` (padding slots of syntax-aligned pages are not keys)."""
     B, m, H, D = q.shape
     K, _, S, _ = k_layer.shape
     logical = jnp.maximum(pages, 0)
@@ -146,6 +147,9 @@ def exact_page_scores(q, k_layer, block_tables, lengths, pages, *, group_reduce:
     qg = q.reshape(B, m, K, H // K, D).astype(jnp.float32)
     s = jnp.einsum("btkgd,bknsd->bkgtns", qg, kk, preferred_element_type=jnp.float32)
     real = (pages >= 0)[..., None] & (k_pos < lengths[:, None, None, None])  # [B, K, n, S]
+    held = slot_valid(fill, logical, S)
+    if held is not None:
+        real = real & held
     s = jnp.where(real[:, :, None, None], s, NEG)
     s = jnp.max(s, axis=(3, 5))  # over the queries and the page's keys -> [B, K, G, n]
     return jnp.max(s, axis=2) if group_reduce == "max" else jnp.mean(s, axis=2)
@@ -164,7 +168,7 @@ def select_step(sp, digests_layer, queries, view: PageView, *, block_size: int, 
     `k_layer` [K, P, S, D], choose the k. Given `k_layer` (whether or not rerank is on), the
     result is (selected, candidates): the candidates' keys were read (= selected without rerank)."""
     q, q_pos = queries
-    block_tables, lengths = view
+    block_tables, lengths = view.tables, view.lengths
     with_candidates = k_layer is not None
     T = q.shape[1]
     dig = digests_layer[:, block_tables]  # [K, B, W, R, D]
@@ -191,7 +195,7 @@ def select_step(sp, digests_layer, queries, view: PageView, *, block_size: int, 
         raise ValueError("sparse.rerank needs the layer's key pool (k_layer)")  # a caller's bug
     cand = pick(scores, k * sp.rerank)  # forced pages (score inf) are always among them
     exact = exact_page_scores(q_score, k_layer, block_tables, lengths, cand, group_reduce=sp.group_reduce,
-                              unrope=inv_freq if sp.score_distance > 0 else None)
+                              unrope=inv_freq if sp.score_distance > 0 else None, fill=view.fill)
     # Back to [B, K, W]: pages that are not candidates can no longer be chosen.
     B, K, W = scores.shape
     at = jnp.where(cand >= 0, cand, W)  # W is out of range -> dropped

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from gemini_jax.attention import kvquant
-from gemini_jax.attention.views import PageView, Selection
+from gemini_jax.attention.views import PageView, Selection, slot_valid
 from gemini_jax.model.layers import NEG_INF, rope_angles, rotate, softcap
 
 
@@ -28,7 +28,7 @@ def sparse_attention(queries, kv_layer, view: PageView, sel: Selection, *, scale
     """
     q, q_pos = queries
     k_layer, v_layer = kv_layer
-    block_tables, lengths = view
+    block_tables, lengths = view.tables, view.lengths
     selected, page_shift, inv_freq = sel
     B, T, H, D = q.shape
     K, P, S, _ = k_layer.shape
@@ -41,6 +41,9 @@ def sparse_attention(queries, kv_layer, view: PageView, sel: Selection, *, scale
     k_pos = (logical[..., None] * S + jnp.arange(S)).reshape(B, K, n * S)
     ok = ((selected >= 0)[..., None] & jnp.ones((S,), bool)).reshape(B, K, n * S)
     ok = ok & (k_pos < lengths[:, None, None])
+    held = slot_valid(view.fill, logical, S)  # syntax-aligned pages: padding slots masked
+    if held is not None:
+        ok = ok & held.reshape(B, K, n * S)
     diff = q_pos[:, None, :, None] - k_pos[:, :, None, :]  # [B, K, T, nS]
     mask = ok[:, :, None, :] & (diff >= 0) & ((window <= 0) | (diff < window))
     qg = q.reshape(B, T, K, H // K, D)

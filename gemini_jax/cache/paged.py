@@ -32,6 +32,7 @@ class PagedKV(NamedTuple):
     digests: Optional[jax.Array] = None  # [layers, kv_heads, num_pages, R, head_dim] (sparse only)
     page_reads: Optional[jax.Array] = None  # i32[]: (page, kv head) pairs attention read, all layers
     key_reads: Optional[jax.Array] = None  # i32[]: (page, kv head) pairs whose keys alone were read (rerank)
+    page_fill: Optional[jax.Array] = None  # i32[B, pages_per_seq]: cache.align=syntax (PageView.fill); None: off
 
 
 def write_pages(k_pool, v_pool, layer, k, v, positions, block_tables, lengths):
@@ -84,7 +85,7 @@ def paged_backend(cfg: ModelConfig, impl: str = "xla", sparse: SparseConfig | No
 
     def attend(layer, q, k, v, q_pos, window, cache: PagedKV):
         k_pool, v_pool, dig = write_layer(cache.k, cache.v, cache.digests, layer, (k, v),
-                                          Span(q_pos, cache.lengths, cache.block_tables),
+                                          Span(q_pos, cache.lengths, cache.block_tables, fill=cache.page_fill),
                                           digest_kind=None if sp is None else sp.digest, unrope=unrope)
         cache = cache._replace(k=k_pool, v=v_pool, digests=dig)
         T = q.shape[1]
@@ -106,12 +107,12 @@ def paged_backend(cfg: ModelConfig, impl: str = "xla", sparse: SparseConfig | No
     def dense(layer, q, q_pos, window, cache):
         B, W = cache.block_tables.shape
         reads = jnp.int32(B * W * cfg.num_kv_heads)  # the gather path reads the whole table
-        out = attend_pages(spec, (q, q_pos), (cache.k, cache.v), PageView(cache.block_tables, cache.lengths), window,
+        out = attend_pages(spec, (q, q_pos), (cache.k, cache.v), PageView(cache.block_tables, cache.lengths, cache.page_fill), window,
                            layer=layer)
         return out, reads, jnp.int32(0)
 
     def sparse_step(layer, q, q_pos, window, cache):
-        view = PageView(cache.block_tables, cache.lengths)
+        view = PageView(cache.block_tables, cache.lengths, cache.page_fill)
         selected, candidates = select_step(sp, cache.digests[layer], (q, q_pos), view, block_size=cache.k.shape[3],
                                            window=window, inv_freq=inv_freq, k_layer=cache.k[layer])
         reads = jnp.sum(selected >= 0).astype(jnp.int32)

@@ -58,11 +58,16 @@ class RecallSetting:
     rerank: int = 0
 
 
-def digest_recall(model, tokens, setting: RecallSetting, *, kinds=("minmax", "mean"), queries: int = 16) -> dict:
+def digest_recall(model, tokens, setting: RecallSetting, *, kinds=("minmax", "mean"), queries: int = 16,
+                  slots=None) -> dict:
     """Mean recall per digest kind over the last `queries` positions, all layers and kv heads.
 
     With `setting.rerank` >= 2 each kind also gets "<kind>+rerank<n>": the digest scores' top n*k
-    candidates, reranked by their exact largest q.k (as `SparseConfig.rerank` selects)."""
+    candidates, reranked by their exact largest q.k (as `SparseConfig.rerank` selects).
+
+    `slots` i32[T]: the KV slot of each token when pages are not fixed spans (syntax-aligned pages:
+    `gemini_jax.runtime.aligned`; slots increase, a page's tokens come first and its padding after);
+    None: token t sits in slot t."""
     block_size, k_pages, rerank = setting.block_size, setting.k_pages, setting.rerank
     sink_pages, local_pages, group_reduce = setting.sink_pages, setting.local_pages, setting.group_reduce
     cfg = model.cfg
@@ -70,11 +75,14 @@ def digest_recall(model, tokens, setting: RecallSetting, *, kinds=("minmax", "me
     T = len(tokens)
     G = cfg.num_heads // cfg.num_kv_heads
     S = block_size
+    slot = np.arange(T) if slots is None else np.asarray(slots)
     out = {kind: [] for kind in kinds}
     if rerank:
         out.update({f"{kind}+rerank{rerank}": [] for kind in kinds})
     for pos in range(T - queries, T):
-        n_pages = pos // S + 1
+        n_pages = int(slot[pos]) // S + 1
+        page_of = slot[:pos + 1] // S
+        counts = np.bincount(page_of, minlength=n_pages)  # a page's tokens fill its first slots
         candidates = np.arange(sink_pages, max(sink_pages, n_pages - local_pages))
         if len(candidates) <= k_pages:
             continue  # everything fits the budget: recall is trivially 1
@@ -88,15 +96,14 @@ def digest_recall(model, tokens, setting: RecallSetting, *, kinds=("minmax", "me
             p = np.exp(logits - logits.max(-1, keepdims=True))
             p /= p.sum(-1, keepdims=True)
             mass = np.zeros((cfg.num_kv_heads, n_pages))
-            np.add.at(mass, (slice(None), np.arange(pos + 1) // S), p.sum(1))
+            np.add.at(mass, (slice(None), page_of), p.sum(1))
             padded = np.zeros((n_pages * S, cfg.num_kv_heads, keys.shape[-1]), np.float32)
-            padded[:pos + 1] = keys
+            padded[slot[:pos + 1]] = keys
             pages = padded.reshape(n_pages, S, cfg.num_kv_heads, -1).transpose(2, 0, 1, 3)  # [K, n, S, D]
-            counts = np.minimum(S, np.maximum(0, pos + 1 - np.arange(n_pages) * S))
             if rerank:  # exact page score: the largest q.k over the page's keys and the group's heads
                 qk = np.einsum("kgd,tkd->kt", qg, keys) if G == 1 else np.einsum("kgd,tkd->kgt", qg, keys).max(1)
                 exact = np.full((cfg.num_kv_heads, n_pages * S), -np.inf)
-                exact[:, :pos + 1] = qk
+                exact[:, slot[:pos + 1]] = qk
                 exact = exact.reshape(cfg.num_kv_heads, n_pages, S).max(-1)
             for kind in kinds:
                 dig = page_digest(kind, jnp.asarray(pages), jnp.broadcast_to(jnp.asarray(counts), pages.shape[:2]))

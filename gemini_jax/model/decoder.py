@@ -100,9 +100,13 @@ class Decoder(nnx.Module):
             self.lm_head = None
 
     def __call__(self, tokens, positions, backend: Optional[KVBackend] = None, cache=None,
-                 *, remat: bool = False, select=None):
+                 *, remat: bool = False, select=None, slots=None):
         """tokens, positions int32[B, T] -> (logits f32[B, T, V], cache). `tokens` may instead be
         input embeddings f32[B, T, E] (soft tokens: gemini_jax.runtime.soft).
+
+        `slots` int32[B, T]: where the tokens sit in the KV cache, when that is not their position
+        (syntax-aligned pages leave padding slots between tokens: `cache.align`); the backend
+        writes and masks by slot, rope rotates by position. None: the positions.
 
         `select` int32[B]: compute logits only at token index select[b] of each row -> [B, 1, V]
         (prefill needs just the last real token's logits; the vocab projection is not free).
@@ -116,7 +120,7 @@ class Decoder(nnx.Module):
             h, cache = carry
             p, idx = xs
             q, k, v = self._qkv(p, h, positions, rope, idx)
-            out, cache = backend(idx, q, k, v, positions, self._window(idx), cache)
+            out, cache = backend(idx, q, k, v, positions if slots is None else slots, self._window(idx), cache)
             h = self._finish(p, h, out)
             return (h, cache), None
 

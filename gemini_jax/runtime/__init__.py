@@ -8,6 +8,7 @@ the counters (`counters`) and, over the page pool, one layer body (`cache.paged.
 `attention.select.select_step`, `attention.sparse.sparse_attention`).
 """
 
+from gemini_jax.runtime.aligned import AlignedRunner
 from gemini_jax.runtime.context import RunContext
 from gemini_jax.runtime.contiguous import ContiguousRunner
 from gemini_jax.runtime.counters import COUNTERS, Counters, new_stats
@@ -17,12 +18,14 @@ from gemini_jax.tiers.kv_store import TieredStore
 
 
 def make_runner(ctx: RunContext, batch: int, stats: Counters):
-    """The runner for the engine's cache: contiguous (no store), paged, or tiered."""
+    """The runner for the engine's cache: contiguous (no store), paged (syntax-aligned or not), or tiered."""
     if ctx.store is None:
         return ContiguousRunner(ctx, batch, stats)
     if isinstance(ctx.store, TieredStore):
         return TieredRunner(ctx, batch, stats)
+    if ctx.config.cache.align != "none":
+        return AlignedRunner(ctx, batch, stats)
     return PagedRunner(ctx, batch, stats)
 
 
-__all__ = ["COUNTERS", "Counters", "ContiguousRunner", "PagedRunner", "RunContext", "TieredRunner", "make_runner", "new_stats"]
+__all__ = ["AlignedRunner", "COUNTERS", "Counters", "ContiguousRunner", "PagedRunner", "RunContext", "TieredRunner", "make_runner", "new_stats"]

@@ -27,6 +27,9 @@ class StepBatch:
     ends: np.ndarray  # i32[B]: tokens in the sequence once the call's tokens are written
     select: np.ndarray  # i32[B]: which query's logits come back
     decode: bool  # one new token per row, sampled from the previous call
+    # Syntax-aligned pages (runtime.aligned), else None: `positions` are then cache slots, and
+    rope: Optional[np.ndarray] = None  # i32[B, T]: the tokens' positions (rope)
+    fill: Optional[np.ndarray] = None  # i32[B, pages_per_seq]: each logical page's fill (PageView.fill)
 
     @classmethod
     def prefill(cls, sid: int, padded: np.ndarray, positions: np.ndarray, n: int) -> "StepBatch":

@@ -64,7 +64,7 @@ class PageRunner(abc.ABC):
         """One prefill chunk of sequence `sid` (a `chunking.prefill_pieces` item: `n` real tokens
         of `padded` at `positions`); its last real token's logits f32[1, V]."""
         ctx = self.ctx
-        batch = StepBatch.prefill(sid, padded, positions, n)
+        batch = self._piece_batch(sid, padded, positions, n)
         self._reserve(sid, int(batch.ends[0]))
         logits, _ = self._call(batch)
         ctx.kv.commit(sid, padded[:n])
@@ -78,9 +78,10 @@ class PageRunner(abc.ABC):
         only fill the batch to a compiled shape (their tokens are not committed, their reads are
         counted: the device did them)."""
         ids = self.ids if ids is None else list(ids)
-        for sid, n in zip(ids, lengths):
+        batch = self._decode_batch(ids, nxt, lengths)
+        for sid, n in zip(ids, batch.starts):
             self._reserve(sid, int(n) + 1)
-        logits, (page_reads, key_reads, width) = self._call(StepBatch.decode_step(ids, nxt, lengths))
+        logits, (page_reads, key_reads, width) = self._call(batch)
         real = len(ids) - pad
         self.commit(np.asarray(nxt, np.int32)[:real, None], ids[:real])
         self._count(int(page_reads), int(key_reads), width, 1, len(ids))
@@ -115,6 +116,14 @@ class PageRunner(abc.ABC):
     def _reserve(self, sid, total):
         self.ctx.kv.reserve(sid, total)
 
+    def _piece_batch(self, sid, padded, positions, n) -> StepBatch:
+        """The call of one prefill piece (`prefill_piece`)."""
+        return StepBatch.prefill(sid, padded, positions, n)
+
+    def _decode_batch(self, ids, nxt, lengths) -> StepBatch:
+        """The call of one decode step (`decode`)."""
+        return StepBatch.decode_step(ids, nxt, lengths)
+
     @abc.abstractmethod
     def _call(self, batch: StepBatch):
         """Run one call; -> (logits f32[B, V], (page_reads, key_reads, table_width))."""
@@ -135,11 +144,15 @@ class PagedRunner(PageRunner):
             tokens = jax.device_put(tokens, distributed.batch_sharding(ctx.mesh, batch.batch, tokens.ndim))
             positions = jax.device_put(positions, distributed.batch_sharding(ctx.mesh, batch.batch, 2))
         select = jnp.asarray(batch.select, jnp.int32)
+        # Syntax-aligned pages (runtime.aligned): positions are slots; rope and fills come with them.
+        fill = None if batch.fill is None else jnp.asarray(batch.fill[:, :width])
+        rope = None if batch.rope is None else jnp.asarray(batch.rope)
 
         def step(kv: DeviceKV):
             # Two counters, two buffers: the step donates its cache, and a buffer is donated once.
-            cache = PagedKV(kv.k, kv.v, tables, ends, kv.digests, jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32))
-            logits, cache = ctx.step(ctx.params, cache, tokens, positions, select)
+            cache = PagedKV(kv.k, kv.v, tables, ends, kv.digests, jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32),
+                            fill)
+            logits, cache = ctx.step(ctx.params, cache, tokens, positions, select, rope)
             # Device scalars: read (synced) by decode only.
             return DeviceKV(cache.k, cache.v, cache.digests), (logits, (cache.page_reads, cache.key_reads, width))
 

@@ -45,6 +45,9 @@ class Scheduler:
     def __init__(self, engine, config: ServeConfig | None = None, stats: Counters | None = None):
         if engine.kv is None:
             raise ConfigError("serving needs the paged cache (EngineConfig.cache.kind='paged').")
+        if engine.config.cache.align != "none":
+            raise ConfigError(f"serving does not run with cache.align={engine.config.cache.align!r} yet (its batches "
+                              f"join and leave mid-prompt); use cache.align='none'.")
         self.engine = engine
         self.config = config or ServeConfig()
         self.stats = engine.stats if stats is None else stats  # the engine's counters, live

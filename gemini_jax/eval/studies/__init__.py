@@ -18,7 +18,7 @@ from types import ModuleType
 
 from gemini_jax.errors import ConfigError
 
-NAMES = ("needle_keys", "needle_diagnose", "digest_recall", "tier_scale", "tier_hit_rate", "exactness")
+NAMES = ("needle_keys", "needle_diagnose", "digest_recall", "tier_scale", "tier_hit_rate", "exactness", "align_pages")
 
 
 def load(name: str) -> ModuleType:

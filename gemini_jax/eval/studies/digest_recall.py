@@ -18,7 +18,7 @@ import gemini_jax as gj
 from gemini_jax.data import tasks
 from gemini_jax.eval.heldout import heldout_text
 from gemini_jax.eval.record import StudyResult
-from gemini_jax.eval.recall import digest_recall
+from gemini_jax.eval.recall import RecallSetting, digest_recall
 from gemini_jax.eval.studies import as_tuple
 from gemini_jax.tokenizer import ByteTokenizer
 from gemini_jax.eval.trials import Draw
@@ -54,8 +54,8 @@ def run(cfg: Config) -> StudyResult:
             rng = Draw("dev", cfg.seed).rng(T, w)
             toks = np.concatenate([[ByteTokenizer.BOS], tasks.text_window(held, T - 1, rng)]).astype(np.int32)
             for bs in cfg.block_sizes:
-                r = digest_recall(model, toks, block_size=bs, k_pages=cfg.budget // bs, queries=cfg.queries,
-                                  rerank=cfg.rerank)
+                r = digest_recall(model, toks, RecallSetting(block_size=bs, k_pages=cfg.budget // bs, rerank=cfg.rerank),
+                                  queries=cfg.queries)
                 records.append({"context": T, "window": w, "block_size": bs, "k_pages": cfg.budget // bs,
                                 **{k: float(np.mean(v)) for k, v in r.items()}})
                 bar.update(1)
