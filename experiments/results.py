@@ -89,7 +89,7 @@ SUBSETS: dict[str, list[Job]] = {
     # Code as syntax: the node encoder trained and measured on held-out programs and real files.
     "code": [Job("code/node_distances", (), 2, script="train_code_encoder.py")],
     # Syntax-aligned vs fixed KV pages on held-out Python at one sparse budget: needle (paired) and digest recall.
-    "align": [Job("align_pages/align_pages", ("experiment=align_pages",), 40)],
+    "align": [Job("align_pages/align_pages", ("experiment=align_pages",), 20)],
     # Image encoders plugged into the frozen decoder by trained projectors: held-out digits.
     "encoders": [Job("encoders/digits", (), 5, script="train_encoders.py")],
     # RULER-style tasks: top_p chosen on dev trials at sparse fixed's KV bytes, then the grid on test trials

@@ -43,12 +43,12 @@ MODES = ("dense", "fixed", "aligned", "aligned_methods")  # aligned: top-level d
 class Config:
     lengths: tuple[int, ...] = (2048,)
     depths: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7, 0.9)
-    trials: int = 20                # needles per (length, depth)
+    trials: int = 40                # needles per (length, depth)
     budget: int = 512               # sparse tokens per (sequence, kv head, layer), sink and local included
     block_size: int = 16
     sink_pages: int = 1
     local_pages: int = 2
-    windows: int = 8                # digest-recall windows per length
+    windows: int = 16               # digest-recall windows per length
     queries: int = 16               # last positions of each window scored
     seed: int = 0
     out_name: str = "align_pages"
