@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import time
@@ -135,23 +136,53 @@ ALWAYS = ("conf", ":(exclude)conf/train_tiny*.yaml", "pyproject.toml", "gemini_j
 # and image encoders' weights (gemini_jax/assets/code_encoder, assets/encoders) are their records' output
 
 
-def _changed_since(commit: str, code: list[str] | None = None) -> int:
+def _changed_since(commit: str, code: list[str] | None = None, experiment: str | None = None) -> int:
     """Files the record depends on (its `code` and ALWAYS; CODE_PATHS when `code` is None) that
     differ between `commit` and HEAD (-1: a commit this clone lacks). Files added since do not
     count: a record cannot have run what did not exist, and wiring a new file in changes one that
-    did. pyproject.toml counts only when what it installs changed (`_same_installs`)."""
+    did. pyproject.toml counts only when what it installs changed (`_same_installs`). With
+    `experiment` (the one its run selected, `_experiment_of`), the files of other experiments
+    under conf/experiment/ do not count: Hydra reads the selected one and what it names."""
     paths = CODE_PATHS if code is None else (*ALWAYS, *code)
     diff = subprocess.run(["git", "diff", "--name-only", "--diff-filter=a", commit, "HEAD", "--", *paths], cwd=ROOT,
                           capture_output=True, text=True)
     if diff.returncode != 0 or not commit:
         return -1
-    files = [f for f in diff.stdout.split() if not (f.endswith(".py") and _only_adds_definitions(commit, f))]
+    files = [f for f in diff.stdout.split() if not (f.endswith(".py") and _only_adds_definitions(commit, f))
+             and not _unread_experiment(f, experiment)]
     if "pyproject.toml" in files:
         old = subprocess.run(["git", "show", f"{commit}:pyproject.toml"], cwd=ROOT, capture_output=True, text=True)
         with open(os.path.join(ROOT, "pyproject.toml")) as fh:
             if old.returncode == 0 and _same_installs(old.stdout, fh.read()):
                 files.remove("pyproject.toml")
     return len(files)
+
+
+def _experiment_of(job: "Job") -> str | None:
+    """The experiment (conf/experiment/<name>.yaml) a job's run selects: run.py's `experiment=`
+    override, or for a reproduction the reproduced job's. None: not known (every file counts)."""
+    if job.script == "reproduce.py":
+        target = next((j for jobs in SUBSETS.values() for j in jobs if j.record == job.overrides[0]), None)
+        return None if target is None else _experiment_of(target)
+    if job.script != "run.py":
+        return None
+    return next((o.split("=", 1)[1] for o in job.overrides if o.startswith("experiment=")), None)
+
+
+def _unread_experiment(path: str, experiment: str | None) -> bool:
+    """Whether `path` is the file of another experiment than `experiment`, one its own file does not
+    name (a defaults list naming a base, e.g. ablate_base)."""
+    folder = "conf/experiment/"
+    if experiment is None or not path.startswith(folder) or not path.endswith(".yaml"):
+        return False
+    name = path[len(folder):-len(".yaml")]
+    if name == experiment:
+        return False
+    try:
+        with open(os.path.join(ROOT, folder, experiment + ".yaml")) as fh:
+            return re.search(rf"\b{re.escape(name)}\b", fh.read()) is None
+    except OSError:
+        return False
 
 
 def _only_adds_definitions(commit: str, path: str) -> bool:
@@ -209,7 +240,7 @@ def stale_records() -> list[tuple[str, str, str]]:
     def commit_of(job):
         with open(job.path) as fh:
             rec = json.load(fh)
-        return rec.get("commit", ""), rec.get("code")
+        return rec.get("commit", ""), rec.get("code"), _experiment_of(job)
 
     reproduced = {}
     for job in SUBSETS["reproduce"]:
@@ -222,8 +253,8 @@ def stale_records() -> list[tuple[str, str, str]]:
         for job in jobs:
             if not os.path.exists(job.path):
                 continue
-            commit, code = commit_of(job)
-            n = _changed_since(commit, code)
+            commit, code, experiment = commit_of(job)
+            n = _changed_since(commit, code, experiment)
             if n == 0 or reproduced.get(job.record):
                 continue
             why = "commit not in this clone" if n < 0 else f"{n} code file(s) changed since"

@@ -210,6 +210,22 @@ def test_stale_check_counts_only_the_code_a_record_ran():
     pytest.skip("no recent commit changed gemini_jax/ alone")
 
 
+def test_stale_check_reads_only_the_experiment_a_run_selected():
+    """conf/experiment/<x>.yaml counts for runs of x and of experiments whose file names x, not for others."""
+    mod = _results_module()
+    jobs = {j.record: j for js in mod.SUBSETS.values() for j in js}
+    assert mod._experiment_of(jobs["align_pages/align_pages"]) == "align_pages"
+    assert mod._experiment_of(jobs["needle/rerank_8k_test"]) == "needle"
+    assert mod._experiment_of(jobs["reproduce/needle_rerank_8k_test"]) == "needle"  # the reproduced run's
+    assert mod._experiment_of(jobs["bench_decode/bench"]) is None  # not a run.py job: every file counts
+    assert mod._unread_experiment("conf/experiment/exactness.yaml", "needle")
+    assert not mod._unread_experiment("conf/experiment/needle.yaml", "needle")
+    assert not mod._unread_experiment("conf/experiment/exactness.yaml", None)
+    assert not mod._unread_experiment("conf/engine/default.yaml", "needle")  # read by every run
+    assert not mod._unread_experiment("conf/experiment/ablate_base.yaml", "ablate_block_size")  # named by its defaults
+    assert mod._unread_experiment("conf/experiment/ablate_base.yaml", "needle")
+
+
 def test_a_record_lists_the_project_code_its_job_imported():
     import gemini_jax.engine  # noqa: F401  (a job's imports)
     from gemini_jax.eval import record

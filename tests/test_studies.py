@@ -125,7 +125,8 @@ def test_exactness_study_through_run_py(tmp_path):
     """Every path on one family: finite errors, each within the tolerance its test asserts."""
     cmd = [sys.executable, os.path.join(ROOT, "experiments", "run.py"), "experiment=exactness",
            "experiment.families=[gemma2]", "experiment.tiered_families=[gemma2]",
-           "experiment.resume_families=[gemma2]", "experiment.new_tokens=4", "experiment.hf_length=12",
+           "experiment.resume_families=[gemma2]", "experiment.aligned_families=[llama]",
+           "experiment.aligned_lengths=[200]", "experiment.new_tokens=4", "experiment.hf_length=12",
            f"results_dir={tmp_path / 'results'}", f"hydra.run.dir={tmp_path / 'run'}", f"wandb.dir={tmp_path / 'wandb'}"]
     proc = subprocess.run(cmd, cwd=ROOT, env=sandbox_env(tmp_path), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -16,6 +16,10 @@ random tokens. One row per (path, family):
     soft     soft tokens (seeded random vectors at the scale of the embedding table) in the
              middle of each prompt, through the paged engine, vs the full-sequence forward on
              embeddings (gemini_jax.encoders.forward_embeds), teacher-forced   (invariant 2)
+    aligned  syntax-aligned pages (`cache.align=syntax`) with sparse attention at a budget covering
+             every page, on windows of held-out standard-library Python that start at a definition
+             (a byte-vocabulary random model: alignment reads bytes), vs the full-sequence forward,
+             teacher-forced                                                    (invariants 2, 3)
 
 `max_abs_err` is max |ours - ref| over every compared logit; `max_rel_err` is that over max |ref|
 (the relative error tests/test_weights.py asserts; per-element ratios blow up at logits near 0).
@@ -27,6 +31,7 @@ are optional (the `hf` extra): without them an hf row says so and carries no fig
 from __future__ import annotations
 
 import importlib
+import re
 import tempfile
 from dataclasses import dataclass
 
@@ -41,7 +46,9 @@ from gemini_jax.eval.studies import as_tuple
 from gemini_jax.model import forward
 from gemini_jax.testing import FAMILIES, random_model, random_prompts, tiny_config
 
-PATHS = ("hf", "engine", "sparse", "tiered", "resume", "soft")
+PATHS = ("hf", "engine", "sparse", "tiered", "resume", "soft", "aligned")
+# Families without sliding windows (aligned pages refuse windows: they count tokens, not slots).
+ALIGNED_FAMILIES = tuple(f for f in FAMILIES if not any(tiny_config(f).layer_windows))
 BLOCK = 8   # tokens per KV page: the prompts span several pages and end inside one
 CHUNK = 32  # prefill chunk: the prompts take several; a chunk writes 4-5 pages, which with the pinned
             # pages must fit the tiered path's device slots
@@ -57,6 +64,7 @@ TOLERANCES = {
     # The resume tests compare tokens (a first difference must be a near-tie), not logits.
     "resume": (None, "tokens", "tests/test_session.py::test_resume_equals_fresh_run_50_cases"),
     "soft": (1e-5, "max_abs_err", "tests/test_prompt_images.py::test_image_prompt_reproduces_the_dense_reference"),
+    "aligned": (1e-4, "max_abs_err", "tests/test_aligned_pages.py::test_aligned_pages_reproduce_the_dense_reference"),
 }
 
 # The transformers model per family, its quirks switched on as tests/test_weights.py does: windows
@@ -90,6 +98,9 @@ class Config:
     # run on the families their tests run (llama, and gemma2 with its windows and soft-caps).
     tiered_families: tuple[str, ...] = ("llama", "gemma2")
     resume_families: tuple[str, ...] = ("llama", "gemma2")
+    # Aligned pages need full-attention models (sliding windows count tokens, not slots).
+    aligned_families: tuple[str, ...] = ("llama", "qwen3")
+    aligned_lengths: tuple[int, ...] = (300, 700)  # bytes of code per prompt: a few definitions each
     paths: tuple[str, ...] = PATHS
     prompt_lengths: tuple[int, ...] = (60, 180)
     new_tokens: int = 12
@@ -98,11 +109,13 @@ class Config:
     out_name: str = "exactness"
 
     def __post_init__(self):
-        for field in ("families", "tiered_families", "resume_families", "paths"):
+        for field in ("families", "tiered_families", "resume_families", "aligned_families", "paths"):
             as_tuple(self, field, str)
         as_tuple(self, "prompt_lengths", int)
+        as_tuple(self, "aligned_lengths", int)
         for field, allowed in (("families", FAMILIES), ("tiered_families", FAMILIES),
-                               ("resume_families", FAMILIES), ("paths", PATHS)):
+                               ("resume_families", FAMILIES), ("aligned_families", ALIGNED_FAMILIES),
+                               ("paths", PATHS)):
             bad = [v for v in getattr(self, field) if v not in allowed]
             if bad:
                 raise ConfigError(f"exactness {field} {bad} are not among {list(allowed)}.")
@@ -117,9 +130,10 @@ class Config:
 def run(cfg: Config) -> StudyResult:
     """One row per (path, family): hf, engine and sparse on `families`, tiered on `tiered_families`,
     resume on `resume_families`. Family f uses seed `seed + FAMILIES.index(f)` for its model and tokens."""
-    on = {"tiered": cfg.tiered_families, "resume": cfg.resume_families}
+    on = {"tiered": cfg.tiered_families, "resume": cfg.resume_families, "aligned": cfg.aligned_families}
     rows = []
-    for family in [f for f in FAMILIES if f in {*cfg.families, *cfg.tiered_families, *cfg.resume_families}]:
+    for family in [f for f in FAMILIES if f in {*cfg.families, *cfg.tiered_families, *cfg.resume_families,
+                                                 *cfg.aligned_families}]:
         seed = cfg.seed + FAMILIES.index(family)
         paths = [p for p in cfg.paths if family in on.get(p, cfg.families)]
         new = [_hf_row(family, seed, cfg.hf_length)] if "hf" in paths else []
@@ -231,7 +245,39 @@ def _engine_rows(family: str, seed: int, cfg: Config, paths: list) -> list:
         rows.append(_resume_row(model, family, seed, prompts[0], cfg.new_tokens, base))
     if "soft" in paths:
         rows.append(_soft_row(model, family, seed, prompts, params, _engine_config(cfg, extra=SOFT_TOKENS)))
+    if "aligned" in paths:
+        rows.append(_aligned_row(family, seed, cfg, params))
     return rows
+
+
+
+def _aligned_row(family: str, seed: int, cfg: Config, params) -> dict:
+    """Windows of held-out Python starting at a definition, through syntax-aligned pages with sparse
+    attention at a covering budget, vs the full-sequence forward teacher-forced on the engine's tokens."""
+    from gemini_jax.eval.heldout import heldout_text  # the corpus loads only for this path
+    from gemini_jax.runtime import aligned
+
+    model = random_model(tiny_config(family, vocab_size=aligned.BYTE_VOCAB), seed)
+    hay = heldout_text().tobytes()
+    rng = np.random.default_rng([seed, 259])
+    starts = [m.start() + 1 for m in re.finditer(rb"\n(?:def|class) ", hay[:len(hay) - max(cfg.aligned_lengths)])]
+    prompts = [[int(b) for b in hay[s:s + n]] for s, n in zip(rng.choice(starts, len(cfg.aligned_lengths)),
+                                                               cfg.aligned_lengths)]
+    room = max(cfg.aligned_lengths) // 2  # padding slots: at most a page per definition
+    max_len = -(-(max(cfg.aligned_lengths) + room + cfg.new_tokens) // BLOCK) * BLOCK
+    config = EngineConfig(max_seq_len=max_len, max_batch=len(prompts), prefill_chunk=CHUNK,
+                          cache=CacheConfig(block_size=BLOCK, align="syntax"),
+                          sparse=SparseConfig(enabled=True, budget=max_len, sparse_prefill=True))
+    pads = [int(np.sum(aligned.slot_tokens(config, p) == aligned.PAD)) for p in prompts]
+    with Engine(model, config) as eng:
+        out = eng.generate(prompts, params, return_logits=True)
+    refs = [np.asarray(forward(model, p + t))[len(p) - 1: len(p) - 1 + len(t)] for p, t in zip(prompts, out.tokens)]
+    errs = _errors(out.logits, refs)
+    shape = (f"f32[{len(prompts)}, {params.max_new_tokens}, {model.cfg.vocab_size}] (code prompts of "
+             f"{'/'.join(map(str, cfg.aligned_lengths))} bytes, decode steps, vocab); block {BLOCK}, chunk {CHUNK}")
+    return _row("aligned", family, seed, shape, _public(errs), within_tolerance=_within("aligned", errs),
+                tokens_equal=None, note=f"sparse, budget {max_len} = every page, sparse prefill; "
+                                        f"{'/'.join(map(str, pads))} padding slots; reference: forward, teacher-forced")
 
 
 SOFT_TOKENS = 4  # soft tokens per prompt in the soft path
