@@ -17,9 +17,9 @@ random tokens. One row per (path, family):
              middle of each prompt, through the paged engine, vs the full-sequence forward on
              embeddings (gemini_jax.encoders.forward_embeds), teacher-forced   (invariant 2)
     aligned  syntax-aligned pages (`cache.align=syntax`) with sparse attention at a budget covering
-             every page, on windows of held-out standard-library Python that start at a definition
-             (a byte-vocabulary random model: alignment reads bytes), vs the full-sequence forward,
-             teacher-forced                                                    (invariants 2, 3)
+             every page, on prompts of held-out standard-library Python pieced from definitions' first
+             lines (so pages are padded; a byte-vocabulary random model: alignment reads bytes), vs
+             the full-sequence forward, teacher-forced                         (invariants 2, 3)
 
 `max_abs_err` is max |ours - ref| over every compared logit; `max_rel_err` is that over max |ref|
 (the relative error tests/test_weights.py asserts; per-element ratios blow up at logits near 0).
@@ -260,15 +260,24 @@ def _aligned_row(family: str, seed: int, cfg: Config, params) -> dict:
     model = random_model(tiny_config(family, vocab_size=aligned.BYTE_VOCAB), seed)
     hay = heldout_text().tobytes()
     rng = np.random.default_rng([seed, 259])
-    starts = [m.start() + 1 for m in re.finditer(rb"\n(?:def|class) ", hay[:len(hay) - max(cfg.aligned_lengths)])]
-    prompts = [[int(b) for b in hay[s:s + n]] for s, n in zip(rng.choice(starts, len(cfg.aligned_lengths)),
-                                                               cfg.aligned_lengths)]
+    starts = [m.start() + 1 for m in re.finditer(rb"\n(?:def|class) ", hay[:len(hay) - 256])]
+    # Each prompt is pieces of 40-150 bytes, each from a top-level definition's first line: every piece
+    # starts a definition at a byte that is rarely a page boundary, so the layout has padding to mask.
+    prompts = []
+    for n in cfg.aligned_lengths:
+        text = b""
+        while len(text) < n:
+            s = int(rng.choice(starts))
+            text += hay[s:s + int(rng.integers(40, 151))].rstrip(b"\n") + b"\n"
+        prompts.append([int(b) for b in text[:n]])
     room = max(cfg.aligned_lengths) // 2  # padding slots: at most a page per definition
     max_len = -(-(max(cfg.aligned_lengths) + room + cfg.new_tokens) // BLOCK) * BLOCK
     config = EngineConfig(max_seq_len=max_len, max_batch=len(prompts), prefill_chunk=CHUNK,
                           cache=CacheConfig(block_size=BLOCK, align="syntax"),
                           sparse=SparseConfig(enabled=True, budget=max_len, sparse_prefill=True))
     pads = [int(np.sum(aligned.slot_tokens(config, p) == aligned.PAD)) for p in prompts]
+    if not all(pads):  # a layout without padding would measure fixed pages again
+        raise RuntimeError(f"exactness aligned path: a prompt's layout has no padding ({pads}); seed {seed}")
     with Engine(model, config) as eng:
         out = eng.generate(prompts, params, return_logits=True)
     refs = [np.asarray(forward(model, p + t))[len(p) - 1: len(p) - 1 + len(t)] for p, t in zip(prompts, out.tokens)]
