@@ -43,6 +43,11 @@ def test_round_trip_reopen_and_prefix_length(tmp_path):
         assert len(st) == 5 and st.prefix_length(hs) == 5 and st.prefix_length([hs[5]] + hs) == 0
         np.testing.assert_array_equal(st.get(hs[3]), _page(hs[3]))
         np.testing.assert_array_equal(st.get_many(hs[:5])[0], np.stack([_page(h) for h in hs[:5]]))
+        # Out of slot order: several runs, read into one buffer that jax can alias (64-byte aligned).
+        order = [hs[i] for i in (3, 4, 0, 2, 1)]
+        got = st.get_many(order)[0]
+        np.testing.assert_array_equal(got, np.stack([_page(h) for h in order]))
+        assert got.ctypes.data % 64 == 0
         with pytest.raises(KeyError):
             st.get(hs[5])
 
@@ -198,8 +203,46 @@ def _engine_cfg(path, *, tiers: bool, block: int = 8, sparse: bool = False, dtyp
                         sparse=sp, tier=tier)
 
 
-@pytest.mark.parametrize("tiers, sparse, dtype", [(False, False, None), (True, True, None), (True, True, "int8")],
-                         ids=["pool", "tiers-sparse", "tiers-sparse-int8"])
+@pytest.mark.parametrize("dtype", ["float32", "int8", "float8_e4m3fn"])
+def test_pages_in_the_stored_form_scatter_as_laid_out_pages_do(monkeypatch, dtype):
+    """`PooledStore.scatter_rows` (rows [n, 2, L, K, S, row] as the prefix store keeps them, laid out
+    and unpacked on device, in pieces) writes the pool `scatter` writes from [L, K, n, S, D] pages:
+    several pieces, the last padded, page ids in random order, digests beside them."""
+    import jax
+    import jax.numpy as jnp
+
+    from gemini_jax.attention import kvquant
+    from gemini_jax.cache import store as cache_store
+    from gemini_jax.config import CacheConfig, EngineConfig, SparseConfig
+    from gemini_jax.testing import tiny_config
+
+    monkeypatch.setattr(cache_store, "ROWS_PIECE", 4)  # 11 pages: pieces of 4, 4 and 3 (padded to 4)
+    cfg = tiny_config("llama")
+    ec = EngineConfig(max_seq_len=256, max_batch=1, cache=CacheConfig(block_size=8, dtype=dtype),
+                      sparse=SparseConfig(enabled=True, budget=64))
+    rng = np.random.default_rng(SEED)
+    n, L, K, S, D = 11, cfg.num_layers, cfg.num_kv_heads, 8, cfg.head_dim
+    pages = rng.permutation(np.arange(1, ec.num_pages))[:n]
+    k, v = (rng.standard_normal((L, K, n, S, D)).astype(np.float32) for _ in range(2))
+    stores = [cache_store.PooledStore(cfg, ec, jnp.dtype(dtype)) for _ in range(2)]
+    dig = rng.standard_normal((L, K, n, *stores[0].device.digests.shape[3:])).astype(np.float32)
+    if kvquant.is_quantized(dtype):  # the stored form holds quantized vectors packed with their scales
+        k, v = (kvquant.to_host(kvquant.quantize(jnp.asarray(x), dtype)) for x in (k, v))
+        rows = np.stack([np.moveaxis(kvquant.pack(x), 2, 0) for x in (k, v)], axis=1)
+    else:
+        rows = np.stack([np.moveaxis(x, 2, 0) for x in (k, v)], axis=1)
+    stores[0].scatter(pages, k, v, dig)
+    stores[1].scatter_rows(pages, rows, np.moveaxis(dig, 2, 0))
+    want, got = jax.tree.leaves(stores[0].device), jax.tree.leaves(stores[1].device)
+    assert len(want) == len(got) == (5 if kvquant.is_quantized(dtype) else 3)
+    for a, b in zip(want, got):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"seed={SEED}, dtype={dtype}")
+    assert np.asarray(got[-1])[:, :, pages].any(), f"seed={SEED}: nothing was written"
+
+
+@pytest.mark.parametrize("tiers, sparse, dtype", [(False, False, None), (True, True, None), (True, True, "int8"),
+                                                  (False, True, "int8")],
+                         ids=["pool", "tiers-sparse", "tiers-sparse-int8", "pool-sparse-int8"])
 def test_a_new_engine_loads_a_stored_prefix_instead_of_prefilling(tmp_path, tiers, sparse, dtype):
     """int8: pages go to disk packed with their scales, and a store of another KV dtype never matches."""
     import gemini_jax as gj

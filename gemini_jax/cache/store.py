@@ -44,12 +44,26 @@ def _copy(kv: DeviceKV, src, dst) -> DeviceKV:
     return DeviceKV(kvquant.write(kv.k, at, kv.k[:, :, src]), kvquant.write(kv.v, at, kv.v[:, :, src]), dig)
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _scatter(kv: DeviceKV, idx, k, v, dig) -> DeviceKV:
-    """Whole pages at physical ids `idx` (ids past the pool are dropped) in every layer."""
+def _set_pages(kv: DeviceKV, idx, k, v, dig) -> DeviceKV:
     at = (slice(None), slice(None), idx)
     digests_ = kv.digests if dig is None else kv.digests.at[at].set(dig.astype(kv.digests.dtype), mode="drop")
     return DeviceKV(kvquant.write(kv.k, at, k, mode="drop"), kvquant.write(kv.v, at, v, mode="drop"), digests_)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _scatter(kv: DeviceKV, idx, k, v, dig) -> DeviceKV:
+    """Whole pages at physical ids `idx` (ids past the pool are dropped) in every layer."""
+    return _set_pages(kv, idx, k, v, dig)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,), static_argnames=("quant",))
+def _scatter_rows(kv: DeviceKV, idx, rows, dig, quant: Optional[str]) -> DeviceKV:
+    """`_scatter` of pages in the prefix store's form (`PooledStore.scatter_rows`): the layout is
+    changed (and quantized rows unpacked) here, by XLA, rather than by numpy copies on the host."""
+    k, v = jnp.moveaxis(rows[:, 0], 0, 2), jnp.moveaxis(rows[:, 1], 0, 2)
+    if quant is not None:
+        k, v = kvquant.unpack(k, quant), kvquant.unpack(v, quant)
+    return _set_pages(kv, idx, k, v, None if dig is None else jnp.moveaxis(dig, 0, 2))
 
 
 def _pad_pages(x, width: int):
@@ -60,6 +74,9 @@ def _pad_pages(x, width: int):
     if x.shape[2] == width:
         return x
     return np.pad(x, [(0, 0), (0, 0), (0, width - x.shape[2])] + [(0, 0)] * (x.ndim - 3))
+
+
+ROWS_PIECE = 256  # pages per `scatter_rows` program
 
 
 class PooledStore:
@@ -117,6 +134,27 @@ class PooledStore:
         pad = functools.partial(_pad_pages, width=width)
         dig = None if self._kv.digests is None or digests_ is None else pad(digests_)
         self._kv = _scatter(self._kv, jnp.asarray(idx), pad(k), pad(v), dig)
+
+    def scatter_rows(self, pages, rows, digests_=None) -> None:
+        """Write whole pages given as the prefix store keeps them: `rows` [n, 2 (k, v), L, K, S, row]
+        (row: head_dim numbers, or a quantized vector's bytes and scale, `kvquant.pack`), digests
+        [n, L, K, R, D]. Same result as `scatter` of the pages laid out [L, K, n, ...].
+        NOTE: a long prefix is hundreds of MB; a host-side transpose or pad of it costs more than
+        reading it from disk (each copy faults in fresh memory). So the rows go in pieces of at most
+        ROWS_PIECE pages sliced along their leading axis (no host copy), only the last piece
+        padded, and XLA lays them out: one compiled program per piece width."""
+        quant = self._kv.k.dtype.name if isinstance(self._kv.k, kvquant.QuantPages) else None
+        pages = np.asarray(pages, np.int32)
+        n = len(pages)
+        for a in range(0, n, ROWS_PIECE):
+            m = min(n, a + ROWS_PIECE) - a
+            width = pow2_at_least(m)
+            idx = np.full(width, self._kv.k.shape[2], np.int32)  # past the last page: dropped
+            idx[:m] = pages[a:a + m]
+            part = [rows[a:a + m], None if digests_ is None or self._kv.digests is None else digests_[a:a + m]]
+            if width > m:
+                part = [None if x is None else np.pad(x, [(0, width - m)] + [(0, 0)] * (x.ndim - 1)) for x in part]
+            self._kv = _scatter_rows(self._kv, jnp.asarray(idx), *part, quant=quant)
 
     def copy_pages(self, src, dst) -> None:
         """Private copies of pages `src` at `dst` (a rewind's copy-on-write)."""

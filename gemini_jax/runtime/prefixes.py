@@ -58,10 +58,7 @@ def load(ctx: RunContext, sid: int, prompt, start: int) -> int:
         return 0
     n = len(hashes)
     pages = kv.extend_cached(sid, prompt[start:start + n * S], hashes)
-    k, v = np.moveaxis(data[:, 0], 0, 2), np.moveaxis(data[:, 1], 0, 2)  # [L, K, n, S, row]
-    if kvquant.is_quantized(ctx.cache_dtype):  # stored packed with their scales
-        k, v = kvquant.unpack(k, ctx.cache_dtype), kvquant.unpack(v, ctx.cache_dtype)
-    ctx.store.scatter(pages, k, v, None if dig is None else np.moveaxis(dig, 0, 2))
+    ctx.store.scatter_rows(pages, data, dig)  # [n, 2, L, K, S, row] as stored (packed when quantized)
     return n * S
 
 

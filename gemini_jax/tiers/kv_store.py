@@ -320,6 +320,14 @@ class TieredStore:
             self._kv = self._kv._replace(digests=dig.at[:, :, np.asarray(pages, np.int32)].set(
                 jnp.asarray(digests, dig.dtype)))
 
+    def scatter_rows(self, pages, rows, digests=None) -> None:
+        """`scatter` of full pages given as the prefix store keeps them (`PooledStore.scatter_rows`):
+        they go below the device, in the form the tiers store (packed rows when quantized)."""
+        k, v = np.moveaxis(rows[:, 0], 0, 2), np.moveaxis(rows[:, 1], 0, 2)
+        if self.quantized:
+            k, v = kvquant.unpack(k, self.dtype), kvquant.unpack(v, self.dtype)
+        self.scatter(pages, k, v, None if digests is None else np.moveaxis(digests, 0, 2))
+
     def copy_pages(self, src, dst) -> None:
         """Private copies of partial pages `src` at `dst` (a rewind's copy-on-write)."""
         for s, d in zip(src, dst):
