@@ -179,3 +179,52 @@ def test_get_many_equals_get_page_by_page(stack):
         assert got[key].tier == tiers[key], key
         assert got[key].k.tobytes() == stack.pages[key][0].tobytes(), key
         assert got[key].v.tobytes() == stack.pages[key][1].tobytes(), key
+
+
+def test_release_keeps_the_guesses_made_again(stack):
+    pre = Prefetcher(stack, capacity=8, workers=1)
+    pre.schedule([(0, 1), (0, 2), (0, 3), (1, 4)])
+    pre.drain()
+    assert pre.release_layer(0, keep={(0, 2), (1, 4)}) == 2  # (0, 1), (0, 3) go; another layer's key is not layer 0's
+    assert pre.stats["prefetch_wasted"] == 2
+    assert pre.schedule([(0, 2), (0, 3)]) == 1  # (0, 2) is still staged: not read twice
+    pre.drain()
+    got = pre.take((0, 2))
+    assert got is not None and got.k.tobytes() == stack.pages[(0, 2)][0].tobytes()
+    assert pre.stats["prefetch_staged_peak"] == 4
+    pre.close()
+
+
+@pytest.mark.parametrize("background", [True, False])
+def test_planner_runs_jobs_in_order_and_hands_back_a_failure(background):
+    from gemini_jax.tiers.planner import Planner
+
+    rng = np.random.default_rng(11)
+    order, seen = [int(x) for x in rng.permutation(40)], []
+    plans = Planner(background=background)
+    gate = threading.Event()
+    if background:  # the first job holds the thread: the rest queue behind it, in order
+        plans.submit(gate.wait, 10)
+    for x in order:
+        plans.submit(seen.append, x)
+    gate.set()
+    plans.settle()
+    assert seen == order, f"seed 11: {seen[:5]}... != {order[:5]}..."
+
+    def boom():
+        raise KeyError("planned key")
+
+    if background:
+        gate = threading.Event()
+        plans.submit(gate.wait, 10)  # boom has not run when the next job is submitted
+        plans.submit(boom)
+        plans.submit(seen.append, -1)  # after a failure nothing more is planned
+        gate.set()
+        with pytest.raises(KeyError, match="planned key"):
+            plans.settle()
+        assert -1 not in seen
+        plans.settle()  # raised once
+    else:
+        with pytest.raises(KeyError, match="planned key"):
+            plans.submit(boom)
+    plans.close()

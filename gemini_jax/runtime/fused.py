@@ -212,15 +212,20 @@ class FusedDecode:
         return np.bool_(True), slots, pages, evicted, ks, vs
 
     def speculate(self, layer: int, guess) -> None:
-        """A lookahead guess for `layer` of this step: start fetching its pages now."""
-        store = self.store
+        """A lookahead guess for `layer` of this step: handed to the planner, which starts fetching
+        its pages (the program goes on at once)."""
         if self._error is not None:
             return
         try:
-            store.predictor.speculate(layer, self._bt, np.asarray(guess), self._ends)
-            store.prefetch(store.predictor.lookahead_keys(layer))
+            # A copy: the callback's buffer is the program's, valid only during the call.
+            self.store.plans.submit(self._plan_ahead, layer, self._bt, np.array(guess), self._ends)
         except Exception as err:
             self._error = err
+
+    def _plan_ahead(self, layer: int, bt, guess, ends) -> None:
+        store = self.store
+        store.predictor.speculate(layer, bt, guess, ends)
+        store.prefetch(store.predictor.lookahead_keys(layer))
 
     # ---- the step ----------------------------------------------------------------------------
     def program(self, B: int, W: int, fetch: bool = True):
