@@ -192,6 +192,7 @@ def test_release_keeps_the_guesses_made_again(stack):
     got = pre.take((0, 2))
     assert got is not None and got.k.tobytes() == stack.pages[(0, 2)][0].tobytes()
     assert pre.stats["prefetch_staged_peak"] == 4
+    assert pre.reset_peak() == 4 and pre.stats["prefetch_staged_peak"] == 2  # (0, 3), (1, 4) staged now
     pre.close()
 
 

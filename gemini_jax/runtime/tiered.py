@@ -376,20 +376,24 @@ class TieredRunner(PageRunner):
         store.slots.set_pins("hot", store.hot.end_step())
         # Residency is settled above (the next step's admissions depend on it); what only feeds the
         # prefetcher (history, unused guesses let go, the next step's guesses) goes to the planner.
-        nxt = self._guess_next_layer0(logits, call, bt, batch.ends) if prefetching and store.tc.lookahead > 0 else None
-        store.plans.submit(self._plan_next, sels, bt, np.array(batch.ends), nxt, prefetching)
+        if prefetching:
+            nxt = self._guess_next_layer0(logits, call, bt, batch.ends) if store.tc.lookahead > 0 else None
+            store.plans.submit(self._plan_next, sels, bt, np.array(batch.ends), nxt)
+        else:  # nothing to guess (every page in a slot, or no prefetch): no hand-over either
+            for layer in range(L):
+                store.prefetcher.release_layer(layer)
         self._count_prefetch(before)
         return logits, reads
 
-    def _plan_next(self, sels, bt, ends, nxt, prefetching: bool) -> None:
+    def _plan_next(self, sels, bt, ends, nxt) -> None:
         """After a one-program step (on the planner): record what each layer read, let go of its
         unused staged guesses, and start the next step's fetches (layer 0's lookahead first)."""
         store, L = self.store, self.ctx.model_cfg.num_layers
-        for layer in range(L if prefetching else 0):  # history feeds only the prefetcher
+        for layer in range(L):
             store.predictor.observe(layer, bt, sels[layer], ends)
         if nxt is not None:
             store.predictor.speculate(0, bt, np.asarray(nxt), ends + 1)
-        guesses = [store.predictor.predict(layer) for layer in range(L if prefetching else 0)]
+        guesses = [store.predictor.predict(layer) for layer in range(L)]
         # A layer's unused guesses go, except those guessed again for the next step (staged once).
         again = {layer: set() for layer in range(L)}
         for keys in guesses:

@@ -237,6 +237,12 @@ class Prefetcher:
             self._land.clear()
             self.links = links
 
+    def reset_peak(self) -> int:
+        """Start `prefetch_staged_peak` over from what is staged now; returns the old peak."""
+        with self._lock:
+            old, self.stats["prefetch_staged_peak"] = self.stats["prefetch_staged_peak"], len(self._staged)
+        return old
+
     def release_layer(self, layer: int, keep=()) -> int:
         """Drop the staged pages of `layer` once it has read what it needed: guesses it did not
         use (counted as wasted) would otherwise hold the buffer until the layer's next visit.
