@@ -257,16 +257,9 @@ def tiers_block(results_dir: str) -> str:
     still = [f"{r['context']}: {r['speed_vs_all_resident_ratio']:.2f}× {'✓' if r['speed_vs_all_resident_ratio'] >= 0.95 else '✗'}"
              for r in recs if r["device_fraction"] == 1.0 and r["prefetch_depth"] == 0 and r["link"] == "real"]
     same = all(r["tokens_equal_all_resident"] for r in recs)
-    # Staging memory (records from before it was counted have no such field: nothing is said).
-    staged = [r["staged_peak_pages"] / r["context_pages"] for r in recs
-              if r.get("staged_peak_pages") is not None and r["prefetch_depth"] > 0 and r["device_fraction"] < 1]
-    staging = (f" With prefetch (depth ≥ 1, device < 100%) the staging buffer held at most {min(staged):.0%}–"
-               f"{max(staged):.0%} of the context's pages at once, memory beside the device share."
-               if staged else "")
     return "\n".join(rows + [
         "", "Cells: speed vs all-resident (median of per-repeat ratios) · prefetch hit rate (pages that had landed "
-        "when their layer needed them)." + staging + " Goal, 25% device, depth 2, PCIe 5 (≥ 0.9× and ≥ 95%): "
-        + "; ".join(goals)
+        "when their layer needed them). Goal, 25% device, depth 2, PCIe 5 (≥ 0.9× and ≥ 95%): " + "; ".join(goals)
         + ". Goal, real links with no page moving (100%, depth 0, ≥ 0.95×): " + "; ".join(still)
         + f". Greedy tokens equal to the all-resident engine's in every cell: {'✓' if same else '✗'}. Every link, "
         f"the matched time scales and the min–max of each ratio: [BENCH.md](experiments/results/bench_tiers/BENCH.md) "

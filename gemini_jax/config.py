@@ -400,10 +400,7 @@ class TierConfig:
     selection only). Costs one extra projection and scoring per layer; never changes numbers.
     `staging_pages`: size of the prefetch staging buffer (pages; with lookahead 3 at 16K context
     a buffer of 512 dropped guesses before their layer ran: bench hit rate 66 % vs 84 % with 2048);
-    `io_workers`: threads issuing reads. `background_planning`: turn guesses into fetches (the
-    lookahead's pages, the history of what each layer read, the next step's guesses) on a
-    thread of their own, so the step only hands them over (`gemini_jax.tiers.planner`); False
-    plans on the step's thread, between its layers and after it. Never changes numbers.
+    `io_workers`: threads issuing reads.
 
     `fused_decode`: run a sparse decode step as one device program (the layer loop on device,
     the host called back only for pages not in their slots; `gemini_jax.tiers.fused`) when the
@@ -446,7 +443,6 @@ class TierConfig:
     lookahead: int = 3
     staging_pages: int = 2048
     io_workers: int = 4
-    background_planning: bool = True
     pin_sink_pages: int = 1
     pin_local_pages: int = 2
     hot_threshold: int = 0
@@ -480,8 +476,7 @@ class TierConfig:
                  f"tier.disk_layout={self.disk_layout!r} must be one of {DISK_LAYOUTS}.")
         _require(self.on_corrupt in ON_CORRUPT,
                  f"tier.on_corrupt={self.on_corrupt!r} must be one of {ON_CORRUPT}.")
-        for name in ("fused_decode", "background_planning"):
-            _require(isinstance(getattr(self, name), bool), f"tier.{name}={getattr(self, name)!r} must be true or false.")
+        _require(isinstance(self.fused_decode, bool), f"tier.fused_decode={self.fused_decode!r} must be true or false.")
         for name in ("shard_pages", "staging_pages", "io_workers", "hot_window"):
             v = getattr(self, name)
             _require(_is_int(v) and v >= 1, f"tier.{name}={v!r} must be an integer >= 1.")

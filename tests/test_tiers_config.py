@@ -24,8 +24,7 @@ CONF = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
     (dict(on_corrupt="ignore"), "tier.on_corrupt"), (dict(prefetch_depth=-1), "tier.prefetch_depth"),
     (dict(prefetch_depth=1.5), "tier.prefetch_depth"), (dict(pin_sink_pages=-1), "tier.pin_sink_pages"),
     (dict(hot_threshold=40, hot_window=32), "tier.hot_threshold"), (dict(shard_pages=0), "tier.shard_pages"),
-    (dict(io_workers=0), "tier.io_workers"), (dict(background_planning="yes"), "tier.background_planning"),
-    (dict(fused_decode=1), "tier.fused_decode"),
+    (dict(io_workers=0), "tier.io_workers"),
 ])
 def test_errors_name_the_field(kw, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):

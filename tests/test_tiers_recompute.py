@@ -42,7 +42,7 @@ def _corrupt(eng, root: pathlib.Path, rng, n: int) -> dict:
     store = eng.store
     store.stack.flush()
     cands = [k for k in store.stack.disk.committed_pages()
-             if k not in store.stack.host and store.page_to_slot[k] == 0 and store.below[k]]
+             if k not in store.stack.host and store.page_to_slot[k] == 0 and k in store.below]
     keys, calls = [], set()
     for i in rng.permutation(len(cands)):
         key = cands[i]

@@ -11,9 +11,8 @@ Per layer l, inside one jitted call (all layers unrolled):
         hit, else a timed miss), and hand back (slots, pages, evicted pages, k, v); the program
         writes them into the slots and updates its copy of `page_to_slot`
     attention over the selected slots; layer l's second half
-    (prefetch depth d > 0, l a multiple of d) one callback hands the lookahead of layers
-        l+1 .. l+d (scored from layer l's input) to the planner, which has the prefetcher read
-        those pages in its threads while the device goes on
+    (prefetch depth > 0) a callback hands the lookahead of layer l+depth (scored from layer l's
+        input) to the prefetcher, which reads those pages in its threads while the device goes on
 
 The host's bookkeeping for the step (LRU use of the selected pages, hot zone, the predictor's
 history, full pages going down the tiers) runs once, after the program returns.
@@ -94,18 +93,14 @@ def _program(graphdef, host, spec: FusedSpec):
         fetch_shapes = (jax.ShapeDtypeStruct((), jnp.bool_), ids, ids, ids, page, page)  # ok, slots, pages, evicted, k, v
 
         for layer in range(L):
-            targets = tuple(range(layer + 1, min(layer + depth, L - 1) + 1))
-            if sp_ahead is not None and layer % depth == 0 and targets:
-                # Every `depth` layers, the next `depth` layers' pages guessed from this layer's
-                # input, handed over in one callback: a host callback costs ~1 ms inside this
-                # program on a CPU (measured; the guesses themselves ~0.2 ms), so one per layer
-                # would cost more than the pages it hides.
-                guesses = []
-                for j in targets:
-                    q_j, _, _ = model.layer_qkv(j, h, positions)
-                    guesses.append(select_step(sp_ahead, digests[j], (q_j, positions), PageView(bt),
-                                               block_size=block_size, window=windows[j], inv_freq=unrope))
-                io_callback(functools.partial(host.speculate, targets), None, jnp.stack(guesses), ordered=False)
+            if sp_ahead is not None:
+                # Layer l+depth's pages guessed from this layer's input (layer 0: layers 1..depth).
+                for j in (range(1, depth + 1) if layer == 0 else (layer + depth,)):
+                    if j < L:
+                        q_j, _, _ = model.layer_qkv(j, h, positions)
+                        guess = select_step(sp_ahead, digests[j], (q_j, positions), PageView(bt),
+                                            block_size=block_size, window=windows[j], inv_freq=unrope)
+                        io_callback(functools.partial(host.speculate, j), None, guess, ordered=False)
             slot_table = page_to_slot[layer][bt]
             q, k, v = model.layer_qkv(layer, h, positions)
             k_slots, v_slots, digests = write_layer(k_slots, v_slots, digests, layer, (k, v),
@@ -216,22 +211,16 @@ class FusedDecode:
             return np.bool_(False), slots, pages, evicted, ks, vs
         return np.bool_(True), slots, pages, evicted, ks, vs
 
-    def speculate(self, layers: tuple, guesses) -> None:
-        """Lookahead guesses [len(layers), B, K, k] for `layers` of this step: handed to the
-        planner, which starts fetching their pages (the program goes on at once)."""
+    def speculate(self, layer: int, guess) -> None:
+        """A lookahead guess for `layer` of this step: start fetching its pages now."""
+        store = self.store
         if self._error is not None:
             return
         try:
-            # A copy: the callback's buffer is the program's, valid only during the call.
-            self.store.plans.submit(self._plan_ahead, layers, self._bt, np.array(guesses), self._ends)
+            store.predictor.speculate(layer, self._bt, np.asarray(guess), self._ends)
+            store.prefetch(store.predictor.lookahead_keys(layer))
         except Exception as err:
             self._error = err
-
-    def _plan_ahead(self, layers: tuple, bt, guesses, ends) -> None:
-        store = self.store
-        for layer, guess in zip(layers, guesses):  # nearest layer first: it is needed first
-            store.predictor.speculate(layer, bt, guess, ends)
-            store.prefetch(store.predictor.lookahead_keys(layer))
 
     # ---- the step ----------------------------------------------------------------------------
     def program(self, B: int, W: int, fetch: bool = True):

@@ -219,7 +219,7 @@ class TieredRunner(PageRunner):
                                      select=np.array([sp.n - 1], np.int32), decode=sp.decode))
         finally:
             self._replaying -= 1
-        if not self.store.below[layer, page]:  # the replay's last call fills the page and stores it below
+        if (layer, page) not in self.store.below:  # the replay's last call fills the page and stores it below
             raise PageCorrupt(f"page (layer={layer}, page={page}): replaying its calls did not refill it.", key)
         self.stats.pages_recomputed += 1
 
@@ -234,8 +234,6 @@ class TieredRunner(PageRunner):
         self._pins(bt, starts, ends)
         B, T = batch.tokens.shape
         fused = batch.decode and self.fused.usable(B)
-        if not fused:  # the layer loop drives the predictor on this thread: the planner's jobs first
-            store.plans.settle()
         # Copies: jax may alias host buffers, and callers reuse theirs while our calls still run. The
         # one-program step takes fresh numpy copies (its one dispatch moves them); the layer loop
         # passes them to several calls per layer, so they go to the device once, here.
@@ -318,27 +316,25 @@ class TieredRunner(PageRunner):
             store.prefetch(store.predictor.predict(layer))
         logits = _logits(self.prog, ctx.params, h, np.asarray(batch.select, np.int32))
         if ahead_on and sp.dense_layers == 0:
-            nxt = self._guess_next_layer0(logits, call, bt, ends)
-            if nxt is not None:
-                store.predictor.speculate(0, bt, np.asarray(nxt), np.asarray(ends) + 1)
-                store.prefetch(store.predictor.lookahead_keys(0))
+            self._guess_next_layer0(logits, call, bt, ends)
+            store.prefetch(store.predictor.lookahead_keys(0))
         if batch.decode:
             hot = store.hot.end_step()
             store.slots.set_pins("hot", hot)
         self._count_prefetch(before)
         return logits, (reads, 0, width)
 
-    def _guess_next_layer0(self, logits, call: CallArrays, bt, ends):
+    def _guess_next_layer0(self, logits, call: CallArrays, bt, ends) -> None:
         """The next step's layer 0 has no earlier layer to guess from: score its digests with the
-        embedding of this step's argmax token. Returns the guess (a device array, dispatched, not
-        waited for), or None when the next token does not fit the block table."""
+        embedding of this step's argmax token (when the next token still fits the block table)."""
         store = self.store
         if int(np.max(ends)) >= bt.shape[1] * store.S:
-            return None
+            return
         sp = self.ctx.config.sparse
         sp_ahead = dataclasses.replace(sp, budget=sp.budget * store.tc.lookahead)
-        return _lookahead_next(self.prog, self.ctx.params, self.layer_args[0], logits,
-                               call._replace(positions=call.positions + 1), store.device.digests, sp=sp_ahead)
+        nxt = _lookahead_next(self.prog, self.ctx.params, self.layer_args[0], logits,
+                              call._replace(positions=call.positions + 1), store.device.digests, sp=sp_ahead)
+        store.predictor.speculate(0, bt, np.asarray(nxt), np.asarray(ends) + 1)
 
     def _count_prefetch(self, before: dict) -> None:
         """Add the prefetcher's counters since `before` (a copy of its stats) to the run's."""
@@ -372,37 +368,18 @@ class TieredRunner(PageRunner):
             store.slots.touch_many(layer, pages)  # the program read them: the layer's most recently used
             if hot_on:
                 store.hot.record((layer, p) for p in pages)
+            # History feeds only the prefetcher; with every page in a slot there is nothing to fetch.
+            if prefetching:
+                store.predictor.observe(layer, bt, sels[layer], batch.ends)
             store.put_below(layer, fill_pages_ids)
+            store.prefetcher.release_layer(layer)
+        if prefetching and store.tc.lookahead > 0:
+            self._guess_next_layer0(logits, call, bt, batch.ends)
+        for layer in range(L if prefetching else 0):  # the next step's guesses (layer 0's lookahead first)
+            store.prefetch(store.predictor.predict(layer))
         store.slots.set_pins("hot", store.hot.end_step())
-        # Residency is settled above (the next step's admissions depend on it); what only feeds the
-        # prefetcher (history, unused guesses let go, the next step's guesses) goes to the planner.
-        if prefetching:
-            nxt = self._guess_next_layer0(logits, call, bt, batch.ends) if store.tc.lookahead > 0 else None
-            store.plans.submit(self._plan_next, sels, bt, np.array(batch.ends), nxt)
-        else:  # nothing to guess (every page in a slot, or no prefetch): no hand-over either
-            for layer in range(L):
-                store.prefetcher.release_layer(layer)
         self._count_prefetch(before)
         return logits, reads
-
-    def _plan_next(self, sels, bt, ends, nxt) -> None:
-        """After a one-program step (on the planner): record what each layer read, let go of its
-        unused staged guesses, and start the next step's fetches (layer 0's lookahead first)."""
-        store, L = self.store, self.ctx.model_cfg.num_layers
-        for layer in range(L):
-            store.predictor.observe(layer, bt, sels[layer], ends)
-        if nxt is not None:
-            store.predictor.speculate(0, bt, np.asarray(nxt), ends + 1)
-        guesses = [store.predictor.predict(layer) for layer in range(L)]
-        # A layer's unused guesses go, except those guessed again for the next step (staged once).
-        again = {layer: set() for layer in range(L)}
-        for keys in guesses:
-            for key in keys:
-                again[key[0]].add(key)
-        for layer in range(L):
-            store.prefetcher.release_layer(layer, keep=again[layer])
-        for keys in guesses:
-            store.prefetch(keys)
 
     def _dense_needed(self, bt, positions, ends, window):
         """Every page a dense layer reads: [B, 1, n] logical ids, -1 padded (window-aware)."""

@@ -34,7 +34,6 @@ from gemini_jax.errors import IntegrityError
 from gemini_jax.tiers.errors import PageCorrupt, TierError
 from gemini_jax.tiers.link import Links
 from gemini_jax.tiers.page import PageSpec
-from gemini_jax.tiers.planner import Planner
 from gemini_jax.tiers.prefetch import Predictor, Prefetcher
 from gemini_jax.tiers.residency import DeviceSlots, HotZone
 from gemini_jax.tiers.sharded import ShardedTierStack
@@ -63,9 +62,8 @@ class TieredStore:
     """Device slots, all-page digests and the stores below: the engine's KV under tiers.
 
     Owners: `slots` (which page of which layer sits in which slot), `page_to_slot` (the same
-    map as an array, for building slot tables), `below` (bool [layers, pages]: pages whose
-    current content is stored in a tier below; only those may be evicted or prefetched),
-    `stack` / `prefetcher`, `plans` (prefetch planning off the step's thread: `Planner`).
+    map as an array, for building slot tables), `below` (pages whose current content is stored
+    in a tier below; only those may be evicted or prefetched), `stack` / `prefetcher`.
     """
 
     def __init__(self, model_cfg: ModelConfig, config: EngineConfig, dtype, mesh=None):
@@ -114,10 +112,8 @@ class TieredStore:
         links = Links(tc.link_model, self.spec.page_bytes) if tc.link == "emulate" else None
         self.prefetcher = Prefetcher(self.stack, capacity=tc.staging_pages, workers=tc.io_workers, links=links)
         self.predictor = Predictor(tc, L, block_size=S)
-        # The predictor is driven through `plans` (in order, on its thread when background).
-        self.plans = Planner(background=tc.background_planning)
         self.hot = HotZone(tc, L)
-        self.below = np.zeros((L, self.num_pages), bool)  # indexed by a PageKey: below[layer, page]
+        self.below: set = set()
         self.writes = WriteLog(S)  # which calls wrote each page (on_corrupt="recompute" replays them)
         self.fused_steps = 0  # decode steps run as one device program (runtime.fused)
         self.fused_program_seconds = 0.0  # time in those programs (their host callbacks included)
@@ -156,7 +152,6 @@ class TieredStore:
     def set_link(self, link) -> None:
         """Time transfers with the `LinkConfig` `link` from now on (None: real links), e.g. to
         measure one prefilled engine across several emulated links."""
-        self.plans.settle()  # plans made under the old links would stage with their landing times
         self.prefetcher.set_links(None if link is None else Links(link, self.spec.page_bytes))
 
     # ---- residency ---------------------------------------------------------------------------
@@ -169,7 +164,7 @@ class TieredStore:
                     self.page_to_slot[layer, p] = 0
                 self.stack.discard(key)
                 self.prefetcher.invalidate(key)
-                self.below[key] = False
+                self.below.discard(key)
         self.writes.forget(pages)
 
     def admit(self, layer: int, pages, *, fetch=True) -> None:
@@ -202,7 +197,7 @@ class TieredStore:
 
     def read_below(self, key):
         """A page the device needs now, from the prefetcher (staged hit or timed miss)."""
-        if not self.below[key]:
+        if key not in self.below:
             raise TierError(f"page (layer={key[0]}, page={key[1]}) is needed on device but no tier holds "
                             f"its current content (a partial page must stay pinned: tier.pin_local_pages).")
         page = self.prefetcher.get(key)
@@ -213,13 +208,7 @@ class TieredStore:
 
     def prefetch(self, keys) -> None:
         """Start fetching the keys (most wanted first) that are stored below and not in a slot."""
-        keys = np.asarray(keys, np.int64).reshape(-1, 2)
-        if not len(keys):
-            return
-        layer, page = keys[:, 0], keys[:, 1]
-        # One vectorized test instead of a Python one per guess (a step makes hundreds).
-        keep = self.below[layer, page] & (self.page_to_slot[layer, page] == 0)
-        self.prefetcher.schedule(keys[keep].tolist())
+        self.prefetcher.schedule(key for key in keys if key in self.below and self.page_to_slot[key] == 0)
 
     def _to_slots(self, x):
         """Stored pages (numpy [..., row]) -> what slots take (QuantPages when quantized)."""
@@ -273,7 +262,7 @@ class TieredStore:
             key = (layer, p)
             self.prefetcher.invalidate(key)
             self.stack.put(key, k[i], v[i])
-            self.below[key] = True
+            self.below.add(key)
 
     # ---- whole pages in and out (sessions: snapshot, restore, rewind) ---------------------------
     def gather(self, pages):
@@ -295,7 +284,7 @@ class TieredStore:
             for i, p in enumerate(pages):
                 if p == 0 or self.page_to_slot[layer, p] != 0:
                     continue
-                if not self.below[layer, p]:
+                if (layer, p) not in self.below:
                     raise TierError(f"page (layer={layer}, page={p}) is neither on device nor in a tier below.")
                 page = self.stack.get((layer, p))
                 if page is None:  # on_corrupt="recompute" rebuilds pages a step reads, not pages copied out
@@ -320,7 +309,7 @@ class TieredStore:
                     part.append((i, p))
                 else:
                     self.stack.put((layer, p), np.asarray(k[layer, :, i]), np.asarray(v[layer, :, i]))
-                    self.below[layer, p] = True
+                    self.below.add((layer, p))
             if part:
                 self.admit(layer, [p for _, p in part], fetch=False)
                 idx = np.asarray([self.page_to_slot[layer, p] for _, p in part], np.int32)
@@ -347,7 +336,6 @@ class TieredStore:
 
     def stats(self) -> dict:
         """Tier counters: device slots, host and disk stores, KV bytes held per tier."""
-        self.plans.settle()  # the prefetch counters of every step so far
         held = self.stack.bytes_held()
         kv = self._kv
         per_device = sum(a.addressable_shards[0].data.nbytes for a in jax.tree.leaves((kv.k, kv.v)))
@@ -364,6 +352,5 @@ class TieredStore:
         return out
 
     def close(self) -> None:
-        self.plans.close()
         self.prefetcher.close()
         self.stack.close()

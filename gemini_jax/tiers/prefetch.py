@@ -118,8 +118,7 @@ class Prefetcher:
     path: it waits for an in-flight fetch of the key or reads it synchronously, and the wait is
     counted as stall. `get(key)` = `take` or `fetch`. Counters: prefetch_hits, prefetch_misses,
     prefetch_late (misses that were in flight), prefetch_wasted (staged, never taken),
-    pages_fetched_host, pages_fetched_disk, stall_seconds, prefetch_staged_peak (the most pages
-    staged or in flight at once).
+    pages_fetched_host, pages_fetched_disk, stall_seconds.
     """
 
     def __init__(self, source: PageSource, *, capacity: int = 256, workers: int = 4, batch: int = 16,
@@ -140,7 +139,7 @@ class Prefetcher:
         self._lock = threading.Lock()
         self.stats = {"prefetch_hits": 0, "prefetch_misses": 0, "prefetch_late": 0, "prefetch_wasted": 0,
                       "prefetch_issued": 0, "pages_fetched_host": 0, "pages_fetched_disk": 0,
-                      "stall_seconds": 0.0, "prefetch_staged_peak": 0}
+                      "stall_seconds": 0.0}
 
     def _read(self, key: PageKey) -> Optional[Fetched]:
         page = self.source.get(key)
@@ -223,8 +222,6 @@ class Prefetcher:
                     self._staged[key] = fut
                     self._by_layer.setdefault(key[0], set()).add(key)
             self.stats["prefetch_issued"] += len(todo)
-            # Staged pages occupy memory beside the device slots (a real staging buffer): the peak.
-            self.stats["prefetch_staged_peak"] = max(self.stats["prefetch_staged_peak"], len(self._staged))
         return len(todo)
 
     def set_links(self, links: Optional[Links]) -> None:
@@ -237,19 +234,11 @@ class Prefetcher:
             self._land.clear()
             self.links = links
 
-    def reset_peak(self) -> int:
-        """Start `prefetch_staged_peak` over from what is staged now; returns the old peak."""
-        with self._lock:
-            old, self.stats["prefetch_staged_peak"] = self.stats["prefetch_staged_peak"], len(self._staged)
-        return old
-
-    def release_layer(self, layer: int, keep=()) -> int:
+    def release_layer(self, layer: int) -> int:
         """Drop the staged pages of `layer` once it has read what it needed: guesses it did not
-        use (counted as wasted) would otherwise hold the buffer until the layer's next visit.
-        Pages in `keep` (keys guessed again for the layer's next visit) stay staged: dropping
-        and reading them again would move the same bytes twice."""
+        use (counted as wasted) would otherwise hold the buffer until the layer's next visit."""
         with self._lock:
-            stale = [k for k in self._by_layer.get(layer, ()) if k not in keep]
+            stale = list(self._by_layer.get(layer, ()))
             for k in stale:
                 self._pop(k)
             self.stats["prefetch_wasted"] += len(stale)

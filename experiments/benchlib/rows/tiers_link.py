@@ -89,17 +89,12 @@ def tiers_link(ctx: Context) -> RowResult:
 
                 def timed(cell):
                     v, link = cell
-                    store = v.eng.store
-                    store.set_link(link)
+                    v.eng.store.set_link(link)
                     v.step()  # one step to fill the staging buffer under this link, untimed
                     before = dict(v.stats)
-                    issued, _ = store.prefetcher.stats["prefetch_issued"], store.prefetcher.reset_peak()
                     t = v.timed(s["steps"])
-                    store.plans.settle()  # the planner's last job: its fetches count for this cell
-                    counts[id(cell)].append({
-                        **{k: v.stats[k] - before[k] for k in ("prefetch_hits", "prefetch_misses", "stall_seconds")},
-                        "issued": store.prefetcher.stats["prefetch_issued"] - issued,
-                        "staged_peak": store.prefetcher.stats["prefetch_staged_peak"]})
+                    counts[id(cell)].append({k: v.stats[k] - before[k] for k in ("prefetch_hits", "prefetch_misses",
+                                                                                   "stall_seconds")})
                     return t
 
                 counts = {id(c): [] for c in cells.values()}
@@ -119,12 +114,6 @@ def tiers_link(ctx: Context) -> RowResult:
                            "hit_rate": hits / (hits + misses) if hits + misses else None,
                            "stall_seconds_per_step": sum(x["stall_seconds"] for x in counts[id(c)])
                            / (s["steps"] * s["repeats"]),
-                           # Reads started per step, and the most pages staged at once (memory a real
-                           # system holds beside the device slots), over all pages of the context.
-                           "prefetch_issued_per_step": sum(x["issued"] for x in counts[id(c)])
-                           / (s["steps"] * s["repeats"]),
-                           "staged_peak_pages": max(x["staged_peak"] for x in counts[id(c)]),
-                           "context_pages": model.cfg.num_layers * -(-context // s["block_size"]),
                            "tokens_equal_all_resident": c[0].tokens[:len(ref.tokens)] == ref.tokens[:len(c[0].tokens)],
                            **{"speed_vs_all_resident_" + k: x
                               for k, x in ratio_stats(times["all-resident"], times[name]).items()}}
@@ -152,21 +141,16 @@ def _markdown(records, s, model_desc, notes) -> str:
         if r.get("metric"):
             continue
         hit = "-" if r["hit_rate"] is None else f"{100 * r['hit_rate']:.1f}%"
-        staged = f"{r['prefetch_issued_per_step']:.0f} / {r['staged_peak_pages'] / r['context_pages']:.0%}"
         rows.append([r["context"], f"{r['device_fraction']:.0%}", r["prefetch_depth"], r["link"],
                      fmt_ms(r["step_seconds_median"]), fmt_ratio(r, "speed_vs_all_resident_"), hit,
-                     fmt_ms(r["stall_seconds_per_step"]), staged, "✓" if r["tokens_equal_all_resident"] else "✗",
-                     _goal(r)])
+                     fmt_ms(r["stall_seconds_per_step"]), "✓" if r["tokens_equal_all_resident"] else "✗", _goal(r)])
     md = md_table(["context", "device", "depth", "link", "step", "speed vs all-resident", "hit rate",
-                   "stall / step", "reads / step, staged peak", "same tokens", "goal"], rows)
+                   "stall / step", "same tokens", "goal"], rows)
     scales = "; ".join(f"{ctx}: " + ", ".join(f"{k} ×{v['time_scale']:.1f}" for k, v in n["links"].items())
                        for ctx, n in notes.items())
     md += (f"\n\n**Setup.** {model_desc}; block {s['block_size']}, sparse budget {s['sparse_budget']} tokens, "
            f"host tier unbounded (no disk), hot zone off. {s['steps']} greedy steps per cell per repeat, "
-           f"{s['repeats']} repeats, min–max of the per-repeat ratios in parentheses. *Reads / step*: prefetch reads "
-           f"started per decode step; *staged peak*: the most pages staged or in flight at once, as a share of all "
-           f"the context's (layer, page) units — memory that a real system holds beside the device slots, on "
-           f"top of the device share. Matched links' time scales "
+           f"{s['repeats']} repeats, min–max of the per-repeat ratios in parentheses. Matched links' time scales "
            f"({scales}). Goals (✓/✗ in the last column): 25 % device, depth 2, PCIe 5: speed ≥ {GOAL_RATIO}× and "
            f"hit rate ≥ {GOAL_HIT:.0%}; real links, 100 %, depth 0: ≥ {GOAL_STILL}×.")
     return md
