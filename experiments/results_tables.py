@@ -556,8 +556,7 @@ def ruler_block(results_dir: str) -> str:
                         for t in told)
             + f": {len(good)} of {len(told)} {'✓' if len(good) >= 5 else '✗'}")
         notes.append(f"  Both modes score 0 on {', '.join(t for t in tv if t not in told)}: those tasks compare "
-                     "nothing and are not counted (the record's own goal line, written by the grid script, "
-                     "counted them as ties).")
+                     "nothing and are not counted.")
     for task, modes in s.get("aggregation", {}).items():
         notes.append(f"- {task} (aggregation: every part of the context counts), recall of the expected words: "
                      + ", ".join(f"{RULER_MODES.get(m, m)} {v['recall']:.2f}" for m, v in modes.items()))
