@@ -104,7 +104,7 @@ SUBSETS: dict[str, list[Job]] = {
 # windows of each context: the same prompts), paired with them by results_tables.kv_quant_block.
 def _quant(dtype: str, tag: str) -> list[Job]:
     over = f"engine.cache.dtype={dtype}"
-    jobs = [_needle(f"{tag}_rerank_8k_test", "extrapolate_rerank", 8192, 10, "test", 6),
+    jobs = [_needle(f"{tag}_rerank_8k_test", "extrapolate_rerank", 8192, 20, "test", 12),
             _needle(f"{tag}_rerank_32k_test", "extrapolate_rerank", 32768, 5, "test", 11),
             _needle(f"{tag}_dense_test", "off", "[1024,2048,4096]", 10, "test", 5, depths=DEPTHS5)]
     bpb = _bpb(f"bpb_{tag}_extrapolate_test", "extrapolate", "[2048,4096,8192,16384,32768]", "test", 10)
