@@ -188,7 +188,8 @@ def _unread_experiment(path: str, experiment: str | None) -> bool:
 def _only_adds_definitions(commit: str, path: str) -> bool:
     """Whether HEAD's `path` is its `commit` text plus new top-level functions or classes (no
     decorators, names the old module did not bind), every old statement kept as it was and in
-    order: what ran then runs the same now (a new error class, a new public helper)."""
+    order: what ran then runs the same now (a new error class, a new public helper). Docstrings
+    and comments do not count: rewording what a knob means measures nothing new."""
     texts = [subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, capture_output=True, text=True)
              for rev in (commit, "HEAD")]
     return all(t.returncode == 0 for t in texts) and _adds_only_definitions(texts[0].stdout, texts[1].stdout)
@@ -198,7 +199,7 @@ def _adds_only_definitions(old_src: str, new_src: str) -> bool:
     import ast
 
     try:
-        old, new = ast.parse(old_src).body, ast.parse(new_src).body
+        old, new = _without_docstrings(ast.parse(old_src)).body, _without_docstrings(ast.parse(new_src)).body
     except SyntaxError:
         return False
     bound = {n.id for s in old for n in ast.walk(s) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
@@ -216,6 +217,20 @@ def _adds_only_definitions(old_src: str, new_src: str) -> bool:
         else:
             bound.add(stmt.name)
     return want is None
+
+
+def _without_docstrings(tree):
+    """`tree` with the docstring of every module, class and function dropped (a body left empty
+    gets a `pass`), so two sources that differ only there dump alike."""
+    import ast
+
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
+                    and isinstance(first.value.value, str):
+                node.body = node.body[1:] or [ast.Pass()]
+    return tree
 
 
 def _same_installs(old_toml: str, new_toml: str) -> bool:

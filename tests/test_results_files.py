@@ -187,6 +187,12 @@ def test_stale_check_lets_a_module_gain_new_definitions_only():
     assert not mod._adds_only_definitions(old, old + "\nEXTRA = 1\n")
     assert not mod._adds_only_definitions(old, old.replace("LIMIT = 3\n", ""))  # a statement removed
     assert not mod._adds_only_definitions(old, "def (:\n")
+    # Docstrings are not code: rewording one (or adding, or dropping it) changes nothing that runs.
+    assert mod._adds_only_definitions(old, old.replace('"""Errors."""', '"""Errors, reworded."""'))
+    assert mod._adds_only_definitions(old, old.replace("    return x + LIMIT", '    """Add."""\n    return x + LIMIT'))
+    assert mod._adds_only_definitions(old.replace("    pass\n", '    """Base."""\n'), old)
+    assert not mod._adds_only_definitions(old, old.replace("    return x + LIMIT", '    "Add."\n    return x - LIMIT'))
+    assert not mod._adds_only_definitions(old, old.replace("LIMIT = 3", 'LIMIT = "3"'))  # a string that is data
 
 
 def test_stale_check_counts_only_the_code_a_record_ran():
