@@ -635,10 +635,7 @@ class ServeConfig:
 
     `step_tokens`: tokens one scheduler step computes, every decoding request's next token first,
     then prefill chunks of joining requests while the budget lasts (one chunk always runs, so a
-    prompt never waits on a budget smaller than `EngineConfig.prefill_chunk`); while one tenant
-    holds more than its share of the batch, the other tenants' prompts are prefilled whole before
-    the decode call, outside the budget (their first token then waits on the step in progress
-    only). `preempt`: what
+    prompt never waits on a budget smaller than `EngineConfig.prefill_chunk`). `preempt`: what
     happens to the lowest-ranked request when pages run out: `swap` copies its pages to host
     memory and back (the same bytes, so the same tokens), `recompute` frees them and prefills its
     tokens again. `pad_batch`: fill each decode call up to a power of two with scratch rows, so

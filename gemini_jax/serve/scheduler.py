@@ -6,13 +6,9 @@
 
 One step: (1) admit waiting requests, best first (priority, then the tenant holding fewer
 live requests, then arrival), while the batch has room (`EngineConfig.max_batch`) and pages; a
-tenant below its share of the batch (max_batch / tenants) takes a slot from the tenant above it;
-(2) while one tenant holds more than its share, the prompts of the tenants within theirs are
-prefilled whole, before the decode call and outside the step's budget: the compute the heavy
-tenant's rows would take from them is theirs, so its burst delays their first token by the step
-in progress at most; (3) one decode call over every decoding request (its
+tenant below its share of the batch (max_batch / tenants) takes a slot from the tenant above it; (2) one decode call over every decoding request (its
 pending token written, the next one sampled with the request's own sampling parameters);
-(4) prefill chunks of joining requests while `ServeConfig.step_tokens` lasts. When pages run out
+(3) prefill chunks of joining requests while `ServeConfig.step_tokens` lasts. When pages run out
 the worst-ranked request (highest `priority`, latest arrival) is preempted: `swap` copies its pages
 to host memory and restores the same bytes later, `recompute` frees them and prefills its tokens
 again. A client never sees `CacheExhausted`: a request that cannot fit even alone is refused
@@ -113,9 +109,8 @@ class Scheduler:
         if not self.live:
             return False
         self.steps += 1
-        owed = self._prefill_owed()
         self._decode()
-        self._prefill(spent=owed)
+        self._prefill()
         return True
 
     def run_until_idle(self, max_steps: Optional[int] = None) -> None:
@@ -358,56 +353,25 @@ class Scheduler:
         return out
 
     # ---- prefill ----------------------------------------------------------------------------------
-    def _owed_tenants(self) -> set:
-        """Tenants within their share of the batch (max_batch / tenants, counting what they hold)
-        while another tenant holds more than its share; empty with one tenant."""
-        held = Counter(r.tenant for r in self.live)
-        if len(held) < 2:
-            return set()
-        share = max(1, self.engine.config.max_batch // len(held))
-        if max(held.values()) <= share:
-            return set()
-        return {t for t, n in held.items() if n <= share}
-
-    def _prefill_owed(self) -> int:
-        """Prefill the prompts of owed tenants (`_owed_tenants`) whole, best first; tokens run."""
-        owed = self._owed_tenants()
-        ran = 0
-        for r in self._order(r for r in self.live if r.phase is Phase.PREFILL and r.tenant in owed):
-            ran += self._run_pieces(r, None, first=False)[0]
-        return ran
-
-    def _prefill(self, spent: int = 0) -> None:
-        """Chunks of joining requests, best first, while the step's budget lasts (what decode and
-        owed prompts took comes off it); the step's first chunk runs whatever its size."""
-        budget = self.config.step_tokens - sum(1 for r in self.live if r.phase is Phase.DECODE) - spent
-        first = spent == 0
+    def _prefill(self) -> None:
+        budget = self.config.step_tokens - sum(1 for r in self.live if r.phase is Phase.DECODE)
+        ran = False
         for r in self._order(r for r in self.live if r.phase is Phase.PREFILL):
-            n, over = self._run_pieces(r, budget, first)
-            budget -= n
-            first = first and n == 0
-            if over:
-                return  # nobody behind it runs either
-
-    def _run_pieces(self, r: Request, budget: Optional[int], first: bool) -> tuple[int, bool]:
-        """Run `r`'s prefill chunks while `budget` (None: no limit) covers the next one, the first
-        one whatever its size when `first`. (tokens run, whether a chunk was over the budget)."""
-        ran = 0
-        while r.pieces and r.phase is Phase.PREFILL:
-            padded, pos, n = r.pieces[0]
-            if budget is not None and n > budget - ran and not (first and ran == 0):
-                return ran, True
-            if not self._room_for_piece(r, int(pos[0]) + n):
-                break  # it waits for pages; a better-ranked request may still prefill
-            logits = self.runner.prefill_piece(r.seq_id, padded, pos, n)
-            r.pieces.popleft()
-            r.compute_units += n * self._layers
-            ran += n
-            if not r.pieces:
-                prefixes.persist(self.engine.ctx, r.seq_id)
-                r.phase = Phase.DECODE
-                self._after_logits([r], np.asarray(logits))
-        return ran, False
+            while r.pieces and r.phase is Phase.PREFILL:
+                padded, pos, n = r.pieces[0]
+                if ran and n > budget:
+                    return
+                if not self._room_for_piece(r, int(pos[0]) + n):
+                    break  # it waits for pages; a better-ranked request may still prefill
+                logits = self.runner.prefill_piece(r.seq_id, padded, pos, n)
+                r.pieces.popleft()
+                r.compute_units += n * self._layers
+                budget -= n
+                ran = True
+                if not r.pieces:
+                    prefixes.persist(self.engine.ctx, r.seq_id)
+                    r.phase = Phase.DECODE
+                    self._after_logits([r], np.asarray(logits))
 
     def _room_for_piece(self, r: Request, end: int) -> bool:
         seq = self.engine.kv.seqs[r.seq_id]
