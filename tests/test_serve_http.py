@@ -427,3 +427,31 @@ def test_text_stream_sends_what_one_decode_gives_and_decodes_each_token_a_bounde
     assert "".join(pieces) == stream.sent == tok.decode(tokens) == text, f"seed={seed}"
     assert all("\ufffd" not in p for p in pieces), f"seed={seed}: half a character was sent"
     assert sum(decoded) <= 10 * len(tokens), f"seed={seed}: {sum(decoded)} tokens decoded for {len(tokens)}"
+
+
+def test_the_load_generator_streams_the_engine_tokens_on_its_own_client_or_a_shared_one(server):
+    """`serve.load.run_streams`: every stream gets as many tokens as the engine's greedy run, timed,
+    whether the call makes its client or is given one (which stays open for the next call)."""
+    import asyncio
+
+    from gemini_jax.serve.load import run_streams, summarize
+
+    tok = gj.ByteTokenizer()
+    prompts = [list(tok.encode(p)) for p in _prompts(3, seed=SEED + 7)]
+    want = [_engine_text(server, p, 6)[1] for p in prompts]
+
+    async def shared():
+        async with httpx.AsyncClient() as c:
+            first = await run_streams(server.url, prompts[:2], max_tokens=6, model=MODEL_ID, client=c)
+            again = await run_streams(server.url, prompts[2:], max_tokens=6, model=MODEL_ID, client=c)
+            assert not c.is_closed, "a caller's client is the caller's to close"
+        return first + again
+
+    own = asyncio.run(run_streams(server.url, prompts, max_tokens=6, model=MODEL_ID))
+    for res in (own, asyncio.run(shared())):
+        for r, w in zip(res, want):
+            assert r.error is None and r.status == 200, (r.status, r.error, f"seed {SEED + 7}")
+            assert len(r.token_times) == len(w) and r.completion_tokens == len(w), f"seed {SEED + 7}"
+            assert r.ttft is not None and r.ttft > 0 and r.t_end >= r.token_times[-1]
+        s = summarize(res)
+        assert s["failed"] == 0 and s["output_tokens"] == sum(len(w) for w in want)
