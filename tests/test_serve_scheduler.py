@@ -207,3 +207,57 @@ def test_a_tenant_below_its_share_takes_a_slot_at_once(engine, churn):
     # The same arrival within one tenant waits behind the queue (what the fair share prevents).
     steps_same, sched_same, *_ = _steps_to_first_token(engine, work, solo, "A")
     assert steps_same > chunks and sched_same.fair_preemptions == 0, (steps_same, chunks)
+
+
+def test_swap_images_gathered_in_powers_of_two_equal_plain_ones_and_compile_once_per_power(model):
+    """`Pow2Gather`: a swapped-out image equals `images.take`'s byte for byte at every length, and
+    once a power-of-two page count has been gathered, every length up to it compiles nothing (a
+    plain gather compiles ~8 small programs per new length: ~0.2 s of every live request's time)."""
+    import jax
+
+    from gemini_jax.runtime import images
+    from gemini_jax.serve.scheduler import Pow2Gather
+
+    # A pool of its own size: no gather shape here was compiled by another test.
+    cfg = gj.config.from_dict(gj.EngineConfig, dict(max_seq_len=512, max_batch=1, cache=dict(block_size=16,
+                                                                                             num_pages=37)))
+    rng = np.random.default_rng(SEED + 3)
+    compiles = []
+
+    def on_event(event, _secs, **_kw):
+        if event.endswith("backend_compile_duration"):
+            compiles.append(event)
+
+    with gj.Engine(model, cfg) as engine:
+        kv, store, S = engine.kv, engine.store, engine.config.cache.block_size
+        lengths = [int(x) for x in rng.integers(17, 36 * S, size=20)]
+        seen, compiled_again = set(), []
+        jax.monitoring.register_event_duration_secs_listener(on_event)
+        try:
+            for n in lengths:
+                sid = engine.ctx.new_ids(1)[0]
+                # Random tokens and fresh random bytes in their pages: a wrong or shifted page cannot match.
+                kv.add_sequence(sid, rng.integers(0, 256, size=n).tolist())
+                try:
+                    kv.reserve(sid, n)
+                    pages = list(kv.seqs[sid].pages)
+                    shape = store.device.k.shape
+                    k = rng.standard_normal((*shape[:2], len(pages), *shape[3:])).astype(np.float32)
+                    store.scatter(pages, k, -k, None)
+                    counted = len(compiles)
+                    img = images.take(kv, Pow2Gather(store), sid)
+                    power = 1 << (len(pages) - 1).bit_length()
+                    if power in seen and len(compiles) > counted:
+                        compiled_again.append((n, len(compiles) - counted))
+                    seen.add(power)
+                    plain = images.take(kv, store, sid)
+                    assert img.tokens == plain.tokens and img.null_pages == plain.null_pages
+                    for got, want in ((img.k, k), (img.k, plain.k), (img.v, plain.v)):
+                        np.testing.assert_array_equal(got, want, err_msg=f"seed {SEED + 3}, {n} tokens")
+                finally:
+                    kv.free(sid)
+        finally:
+            jax.monitoring.unregister_event_duration_listener(on_event)
+        assert len(seen) < len({-(-n // S) for n in lengths}), "the lengths were meant to share powers of two"
+        assert not compiled_again, f"seed {SEED + 3}: (tokens, compiles) at powers of two already gathered: {compiled_again}"
+        assert kv.pool.num_free == kv.pool.num_pages - 1

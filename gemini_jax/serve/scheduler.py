@@ -27,6 +27,9 @@ from typing import Optional
 
 import numpy as np
 
+from gemini_jax.attention import kvquant
+from gemini_jax.cache.block_pool import NULL_PAGE
+from gemini_jax.cache.shapes import pow2_at_least
 from gemini_jax.config import SamplingParams, ServeConfig
 from gemini_jax.errors import CacheExhausted, ConfigError, ContextLengthError
 from gemini_jax.model import validate_tokens
@@ -251,7 +254,7 @@ class Scheduler:
     def _preempt(self, r: Request) -> None:
         kv = self.engine.kv
         if self.config.preempt == "swap":
-            r.image = images.take(kv, self.engine.store, r.seq_id)
+            r.image = images.take(kv, Pow2Gather(self.engine.store), r.seq_id)
         else:
             r.pieces = deque()
         kv.free(r.seq_id)
@@ -395,7 +398,7 @@ class Scheduler:
         kv = self.engine.kv
         if r in self.live:
             if reason == "interrupted":
-                r.image = images.take(kv, self.engine.store, r.seq_id)
+                r.image = images.take(kv, Pow2Gather(self.engine.store), r.seq_id)
             kv.free(r.seq_id)
             self.live.remove(r)
             self._sync_ids()
@@ -418,3 +421,24 @@ class Scheduler:
         """Cancel everything still queued or running."""
         for r in list(self.waiting) + list(self.live):
             self._finish(r, "cancelled")
+
+
+class Pow2Gather:
+    """`store`'s page gather (what `images.take` calls) over a power-of-two count of pages: the
+    null page fills the rest, cut off after. A pooled store compiles one gather per count, and a
+    server swaps out sequences of every length, each new one stalling every live request for the
+    compile (~0.2 s here); padded, the counts up to a pool's size take a handful of programs."""
+
+    def __init__(self, store):
+        self.store = store
+
+    def gather(self, pages):
+        n = len(pages)
+        k, v, dig = self.store.gather(list(pages) + [NULL_PAGE] * (pow2_at_least(max(n, 1)) - n))
+        # Copies: the image would otherwise keep the padding's memory alive while it waits.
+        first = lambda x: x[:, :, :n].copy()  # noqa: E731
+        if isinstance(k, kvquant.QuantPages):
+            k, v = (kvquant.QuantPages(first(x.data), first(x.scale)) for x in (k, v))
+        else:
+            k, v = first(k), first(v)
+        return k, v, None if dig is None else first(dig)
