@@ -16,7 +16,7 @@ other prompts), compiling the batch sizes, table widths and swap sizes the flood
 `--flood-rounds` rounds, each: tenant B sends `--flood-b` requests one after another alone (solo
 TTFT), then `--flood-b` other prompts while a fresh tenant A keeps `--flood-a` streams going and
 submits more until its compute-unit pool refuses (429). B's requests are pooled over the rounds
-for the p99 (one round's 8 requests make a p99 that is nearly their slowest and moved 1.5-2.3x
+for the p99 (one round's 8 requests make a p99 that is nearly their slowest, and it moved a lot
 from seed to seed). Each tenant sends on one HTTP client it keeps open. Nothing may be lost:
 every accepted stream ends with all its tokens.
 Writes experiments/results/serve_load/serve_load.{json,md}.
