@@ -12,7 +12,8 @@ held-out standard-library text: times greedy decoding (median of repeats, after 
 compiles the same shapes), runs a pass-key needle at one length, and measures bits per byte
 through `Engine.score`. It logs config, counters and metrics to wandb (offline unless WANDB_MODE
 or `wandb.mode` says otherwise; WANDB_MODE wins) and writes one JSON, keyed by the swept value,
-into the sweep directory and into `<results_dir>/ablations/<experiment.name>/<sweep id>/`.
+into the sweep directory and, when `results_dir=` is set, into
+`<results_dir>/ablations/<experiment.name>/<sweep id>/`.
 
 NOTE prefetch: `experiment.prefetch_depth` is applied as `engine.tier.prefetch_depth`, and counts
 as applied only with the tier enabled (ablate_prefetch_depth enables it). With the tier off every
@@ -246,7 +247,9 @@ def log_wandb(cfg: DictConfig, record: dict) -> dict:
 
 def write_json(record: dict, cfg: DictConfig) -> list[str]:
     sw = record["sweep"]
-    out_dirs = [os.path.join(ROOT, sw["dir"]), os.path.join(ROOT, cfg.results_dir, "ablations", sw["name"], sw["id"])]
+    out_dirs = [os.path.join(ROOT, sw["dir"])]
+    if cfg.get("results_dir"):  # unset: the sweep directory alone (git-ignored); make results sets it
+        out_dirs.append(os.path.join(ROOT, cfg.results_dir, "ablations", sw["name"], sw["id"]))
     paths = []
     for d in out_dirs:
         os.makedirs(d, exist_ok=True)

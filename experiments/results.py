@@ -291,6 +291,8 @@ def run_subset(name: str, *, missing_only: bool, stale_only: bool = False) -> in
             print(f"[{name} {i}/{len(jobs)}] {job.record}: current at HEAD, skipped (--stale-only)", flush=True)
             continue
         cmd = [sys.executable, os.path.join(ROOT, "experiments", job.script), *job.overrides]
+        if job.script == "run.py":  # a plain run writes into its own output directory; these are the records
+            cmd.append("results_dir=experiments/results")
         print(f"[{name} {i}/{len(jobs)}] {job.record} (~{job.minutes} min): {' '.join(cmd[1:])}", flush=True)
         t0 = time.perf_counter()
         rc = subprocess.run(cmd, cwd=ROOT).returncode

@@ -7,8 +7,10 @@
 
 Every job logs its config and counters to wandb (offline by default; WANDB_MODE=online works)
 and writes `result.json` into its Hydra output directory. A study (conf/experiment/<study>.yaml,
-workload in gemini_jax.eval.studies) also writes its record, `<results_dir>/<study>/<name>.json`
-and `.md` (gemini_jax.eval.record).
+workload in gemini_jax.eval.studies) also writes its record, `<results>/<study>/<name>.json` and
+`.md` (gemini_jax.eval.record). `<results>` is the job's own output directory unless
+`results_dir=` names another: a job never rewrites the committed records under
+experiments/results/ unless asked to (`make results` asks).
 """
 
 from __future__ import annotations
@@ -153,7 +155,7 @@ def run_needle(cfg, model, tok, desc):
                 + (", compact positions" if e.sparse.positions == "compact" else "")
                 + (f", scored at distance {e.sparse.score_distance}" if e.sparse.score_distance else "")
                 + (f", rerank {e.sparse.rerank}" if e.sparse.rerank else "") if e.sparse.enabled else "dense"))
-    out_dir = os.path.join(ROOT, cfg.results_dir, "needle")
+    out_dir = os.path.join(results_root(cfg), "needle")
     meta = provenance(command=job_command(), config=OmegaConf.to_container(ex, resolve=True), split=draw.split,
                       seeds=[draw.seed])
     paths = write_needle(res, out_dir, ex.out_name, f"{label}; {draw.split} trials",
@@ -192,7 +194,7 @@ def run_perplexity(cfg, model, tok, desc):
           + "".join(f"| {r['context']} | {r['bits_per_byte']:.3f} | [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}] |\n"
                     for r in rows)
           + f"| unigram baseline | {uni:.3f} | |\n")
-    write_record(os.path.join(ROOT, cfg.results_dir), result, md)
+    write_record(results_root(cfg), result, md)
     return {"stats": dict(eng.stats), **result}
 
 
@@ -226,7 +228,7 @@ def run_ruler(cfg, model, tok, desc):
           + "\nKV bytes read per generated token (all layers, one sequence; digests beside): "
           + "; ".join(f"{t} {b['kv_bytes_read']:,.0f} (+{b['digest_bytes_read']:,.0f})" for t, b in reads.items())
           + ".\n")
-    paths = write_record(os.path.join(ROOT, cfg.results_dir), result, md)
+    paths = write_record(results_root(cfg), result, md)
     print(md, end="")
     print(f"{'written':<28}{paths['md']}")
     return {"stats": dict(eng.stats), "by_task_length": rows}
@@ -379,12 +381,24 @@ def run_fullstack(cfg, model, tok, desc):
         split="dev", seeds=[int(cfg.seed)],
         extra={"haystack": str(ex.haystack), "stats": dict(st), "tier": tier, "table": dict(rows)}),
         command=job_command(), config=OmegaConf.to_container(cfg, resolve=True))
-    paths = write_record(os.path.join(ROOT, cfg.results_dir), record,
+    paths = write_record(results_root(cfg), record,
                          "\n".join([f"# The main job ({desc})", "", f"`{record['command']}` at commit {record['commit']}, "
                                     f"seed {cfg.seed}.", "", "| | |", "| --- | --- |",
                                     *[f"| {k} | {v} |" for k, v in rows]]))
     print(f"{'record':<36}{paths['json']}")
     return result
+
+
+def results_root(cfg) -> str:
+    """Where this job's records go: `results_dir` (relative to the checkout) when set, else the job's
+    own output directory (Hydra's, git-ignored), so a plain run leaves the tracked tree untouched."""
+    if cfg.get("results_dir"):
+        return os.path.join(ROOT, cfg.results_dir)
+    try:
+        return hydra.core.hydra_config.HydraConfig.get().runtime.output_dir
+    except ValueError:  # not under Hydra (a test calling a job function directly)
+        raise gj.errors.ConfigError("results_dir is unset and there is no Hydra output directory: "
+                                    "pass results_dir=<a directory>.") from None
 
 
 def job_command() -> str:
@@ -410,7 +424,7 @@ def run_study(cfg) -> dict:
     config = json.loads(json.dumps(dataclasses.asdict(scfg)))  # tuples as lists, as the JSON will hold them
     record = make_record(name, res, command=job_command(), config=config)
     md = study.markdown(record)
-    paths = write_record(os.path.join(ROOT, cfg.results_dir), record, md)
+    paths = write_record(results_root(cfg), record, md)
     print(md, end="")
     print(f"wrote {paths['json']} and .md")
     return {"stats": {}, "record": paths}

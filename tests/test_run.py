@@ -13,11 +13,20 @@ from gemini_jax.eval.needle import is_correct
 from test_ablate import ROOT, sandbox_env
 
 
+def _git_status() -> str:
+    """Tracked files changed and untracked files not ignored, as `git status` shows them."""
+    proc = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True)
+    return proc.stdout if proc.returncode == 0 else "(not a git checkout)"
+
+
 def test_fullstack_job_prints_the_table(tmp_path):
+    """The main job with its defaults (no results_dir): its record lands in its own output
+    directory, and the checkout's `git status` is what it was before the job."""
     cmd = [sys.executable, os.path.join(ROOT, "experiments", "run.py"), "experiment.length=2048",
-           "hardware=a100_80g", f"hydra.run.dir={tmp_path / 'run'}", f"wandb.dir={tmp_path / 'wandb'}",
-           f"results_dir={tmp_path / 'results'}"]
+           "hardware=a100_80g", f"hydra.run.dir={tmp_path / 'run'}", f"wandb.dir={tmp_path / 'wandb'}"]
+    before = _git_status()
     proc = subprocess.run(cmd, cwd=ROOT, env=sandbox_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert _git_status() == before, "the main job changed files that git tracks or sees"
     out = proc.stdout
     assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
     for row in ("answer", "correct", "KV + digest bytes read / token", "device-tier share of KV", "prefetch hit rate",
@@ -33,7 +42,7 @@ def test_fullstack_job_prints_the_table(tmp_path):
     # `correct` is the exact-match verdict on the answer printed (not a constant).
     assert res["correct"] == is_correct(res["answer"], res["key"]) and f"answer {res['answer']!r}" in out
     assert res["after_resume_correct"] == is_correct(res["after_resume"], res["key"])
-    rec = json.loads((tmp_path / "results" / "fullstack" / "make_run.json").read_text())
+    rec = json.loads((tmp_path / "run" / "fullstack" / "make_run.json").read_text())
     assert rec["records"][0]["answer"] == res["answer"] and rec["seeds"] == [0] and rec["split"] == "dev"
     assert rec["command"].startswith("python experiments/run.py") and rec["commit"]
     assert res["tier"]["device_slots_per_layer"] < 2048 // 16  # pages really live below the device
