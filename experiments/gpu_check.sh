@@ -109,7 +109,9 @@ fi
 if ((DRY_RUN)); then
   export JAX_PLATFORMS=cpu
 else
-  export JAX_PLATFORMS=cuda  # tests/conftest.py defaults to cpu; the point here is the GPU
+  # cuda first (the default backend); cpu beside it: the tiers place their host callbacks
+  # (io_callback) on a CPU device, and fail without one.
+  export JAX_PLATFORMS=cuda,cpu
 fi
 export WANDB_MODE=offline
 
