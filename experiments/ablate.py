@@ -44,7 +44,7 @@ from gemini_jax.config import EngineConfig, SamplingParams
 from gemini_jax.data import corpus, tasks
 from gemini_jax.eval.record import provenance
 from gemini_jax.eval.trials import Draw
-from gemini_jax.hydra_schema import build, register
+from gemini_jax.hydra_schema import build, one_line_errors, register
 from run import load_model  # the main job's model loading and labelling (this script's directory is on sys.path)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -264,6 +264,7 @@ def write_json(record: dict, cfg: DictConfig) -> list[str]:
 
 # ---- job ------------------------------------------------------------------------------------
 @hydra.main(version_base=None, config_path="../conf", config_name="config")
+@one_line_errors
 def main(cfg: DictConfig) -> dict:
     started = datetime.datetime.now(datetime.timezone.utc)
     t_job = time.perf_counter()

@@ -32,7 +32,7 @@ from gemini_jax.eval.ruler import answer, trial_example
 from gemini_jax.eval.trials import Draw
 from gemini_jax.config import EngineConfig
 from gemini_jax.data import corpus
-from gemini_jax.hydra_schema import build
+from gemini_jax.hydra_schema import build, one_line_errors
 from run import ROOT, emulate_hardware  # this script's directory is on sys.path
 
 MODE_NAMES = {"dense": "dense", "fixed": "sparse fixed", "topp": "sparse top-p", "compact_rerank": "compact + rerank"}
@@ -222,6 +222,7 @@ def summary(cells: list[dict], tasks: list[str]) -> dict:
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="ruler_grid")
+@one_line_errors
 def main(cfg: DictConfig) -> None:
     check(cfg)
     command = " ".join(["python experiments/ruler_grid.py", *hydra.core.hydra_config.HydraConfig.get().overrides.task])

@@ -31,7 +31,7 @@ from gemini_jax.config import EngineConfig, HardwareConfig, ModelConfig, Samplin
 from gemini_jax.eval import studies
 from gemini_jax.eval.record import StudyResult, make_record, provenance, write_record
 from gemini_jax.eval.trials import Draw
-from gemini_jax.hydra_schema import build, register
+from gemini_jax.hydra_schema import build, one_line_errors, register
 
 register()
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -435,6 +435,7 @@ EXPERIMENTS = {"generate": run_generate, "needle": run_needle, "perplexity": run
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="config")
+@one_line_errors
 def main(cfg: DictConfig) -> None:
     os.environ.setdefault("WANDB_MODE", cfg.wandb.mode)
     # Library logs stay out of the job's story unless asked for (log_level=INFO shows Orbax's

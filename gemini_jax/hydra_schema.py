@@ -98,3 +98,28 @@ def build(cls, node):
 
     data = OmegaConf.to_container(node, resolve=True) if not isinstance(node, dict) else node
     return config.from_dict(cls, data)
+
+
+def one_line_errors(task):
+    """Wrap a Hydra task function so that a typed error (gemini_jax.errors) or an OmegaConf
+    validation error prints as one line, `ConfigError: <what is wrong>`, and exits with status 2,
+    instead of a traceback whose last line is the message. HYDRA_FULL_ERROR=1 re-raises it whole."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    from gemini_jax.errors import GeminiJaxError
+
+    @functools.wraps(task)
+    def wrapped(*args, **kwargs):
+        try:
+            return task(*args, **kwargs)
+        except (GeminiJaxError, OmegaConfBaseException) as err:
+            if os.environ.get("HYDRA_FULL_ERROR") == "1":
+                raise
+            import sys
+
+            print(f"{type(err).__name__}: {err}".splitlines()[0] if isinstance(err, OmegaConfBaseException)
+                  else f"{type(err).__name__}: {err}", file=sys.stderr)
+            print("(HYDRA_FULL_ERROR=1 for the full trace)", file=sys.stderr)
+            raise SystemExit(2) from None
+
+    return wrapped

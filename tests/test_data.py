@@ -62,3 +62,25 @@ def test_training_examples_weights():
 def test_too_short_for_needle():
     with pytest.raises(ValueError, match="too short"):
         tasks.needle_example(np.frombuffer(b"abc\n" * 10, np.uint8), 40, 0.5, np.random.default_rng(4))
+
+
+@pytest.mark.parametrize("size", [0, 1, tasks.MIN_HAYSTACK_BYTES - 1])
+def test_an_empty_or_too_short_haystack_is_refused_by_name(size):
+    """needle, RULER-style tasks and text windows refuse such a haystack with a ConfigError that says
+    how long it is, not a ZeroDivisionError from deep inside."""
+    from gemini_jax.errors import ConfigError
+    from gemini_jax.eval.needle import needle
+    from gemini_jax.eval.ruler import ruler
+
+    seed = 7
+    hay = np.random.default_rng(seed).integers(32, 127, size).astype(np.uint8)
+    match = "haystack is empty" if size == 0 else f"haystack has {size} bytes"
+    with pytest.raises(ConfigError, match=match):
+        tasks.text_window(hay, 64, np.random.default_rng(seed))
+    with pytest.raises(ConfigError, match=match):
+        tasks.needle_example(hay, 512, 0.5, np.random.default_rng(seed))
+    # The harnesses refuse before touching the engine (None here: it is never called).
+    with pytest.raises(ConfigError, match=match):
+        needle(None, [512], [0.5], trials=1, haystack=hay)
+    with pytest.raises(ConfigError, match=match):
+        ruler(None, "niah_single", [512], trials=1, haystack=hay)

@@ -96,3 +96,17 @@ def test_ruler_job_writes_a_record_whose_verdicts_follow_from_its_answers(tmp_pa
     for task in ("niah_single", "fwe"):
         b = rec["bytes_per_token"][task]
         assert 0.9 * whole <= b["kv_bytes_read"] <= 1.2 * whole and b["digest_bytes_read"] == 0, (task, b, whole)
+
+
+def test_a_config_error_on_the_command_line_is_one_line_without_a_traceback(tmp_path):
+    """A typed error prints `ConfigError: <message>` and exits 2; HYDRA_FULL_ERROR=1 gives the trace."""
+    cmd = [sys.executable, os.path.join(ROOT, "experiments", "run.py"), "engine.cache.block_size=0",
+           f"hydra.run.dir={tmp_path / 'run'}", f"wandb.dir={tmp_path / 'wandb'}"]
+    env = {k: v for k, v in sandbox_env(tmp_path).items() if k != "HYDRA_FULL_ERROR"}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "ConfigError: cache.block_size=0 must be a power of two" in proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    full = subprocess.run(cmd, cwd=ROOT, env={**env, "HYDRA_FULL_ERROR": "1"},
+                          capture_output=True, text=True, timeout=300)
+    assert full.returncode != 0 and "Traceback" in full.stderr

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gemini_jax.errors import ConfigError
 from gemini_jax.tokenizer import ByteTokenizer
 
 BOS = ByteTokenizer.BOS
@@ -38,8 +39,27 @@ def random_name(rng: np.random.Generator) -> str:
     return bytes(rng.choice(letters, int(rng.integers(4, 8)))).decode()
 
 
+# A haystack shorter than this repeats itself every few lines once tiled to a context: the task
+# then measures copying a pattern, not finding a needle in text.
+MIN_HAYSTACK_BYTES = 256
+
+
+def check_haystack(text) -> np.ndarray:
+    """The haystack as uint8 text, or ConfigError when it is empty or shorter than MIN_HAYSTACK_BYTES."""
+    arr = np.asarray(text)
+    if arr.ndim != 1 or len(arr) == 0:
+        raise ConfigError(f"haystack is empty (shape {arr.shape}): give a 1-D uint8 text of at least "
+                          f"{MIN_HAYSTACK_BYTES} bytes (default: the held-out standard-library sources).")
+    if len(arr) < MIN_HAYSTACK_BYTES:
+        raise ConfigError(f"haystack has {len(arr)} bytes, fewer than the {MIN_HAYSTACK_BYTES} a task needs "
+                          f"(it would repeat every few lines); give a longer text.")
+    return arr
+
+
 def text_window(text: np.ndarray, n: int, rng: np.random.Generator) -> np.ndarray:
-    """n consecutive bytes from a random offset (wrapping text shorter than n)."""
+    """n consecutive bytes from a random offset (wrapping text shorter than n). ConfigError for a
+    haystack that is empty or too short (check_haystack)."""
+    check_haystack(text)
     if len(text) >= n:
         start = int(rng.integers(0, len(text) - n + 1))
         return text[start:start + n]

@@ -79,8 +79,7 @@ def needle(engine, lengths, depths, *, trials: int = 5, haystack: np.ndarray | N
     prompts are the same for every engine. Records come cell by cell (length-major), trials in
     order: record k is trial k % trials of cell k // trials (`gemini_jax.eval.reproduce`).
     """
-    if haystack is None:
-        haystack = heldout_text()
+    haystack = heldout_text() if haystack is None else tasks.check_haystack(haystack)
     acc = np.zeros((len(lengths), len(depths)))
     records = []
     cells = [(i, j) for i in range(len(lengths)) for j in range(len(depths))]

@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from gemini_jax.config import SamplingParams
 from gemini_jax.data import ruler as suite
+from gemini_jax.data import tasks
 from gemini_jax.eval.heldout import heldout_text
 from gemini_jax.eval.intervals import wilson
 from gemini_jax.eval.trials import Draw
@@ -82,7 +83,7 @@ def ruler(engine, task: str, lengths, *, trials: int = 10, haystack: np.ndarray 
         raise ConfigError(f"kind={kind!r} is not one of {suite.KEY_KINDS}.")
     if trials < 1 or batch < 1:
         raise ConfigError(f"trials={trials} and batch={batch} must be positive.")
-    haystack = heldout_text() if haystack is None else haystack
+    haystack = heldout_text() if haystack is None else tasks.check_haystack(haystack)
     result = RulerResult(task, [int(x) for x in lengths], trials, kind)
     bar = tqdm(total=len(lengths) * trials, desc=f"ruler {task}", disable=None, unit="trial")
     for i, L in enumerate(result.lengths):

@@ -13,10 +13,13 @@ import os
 import hydra
 from omegaconf import DictConfig
 
+from gemini_jax.hydra_schema import one_line_errors
+
 CONF = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "conf")
 
 
 @hydra.main(version_base=None, config_path=CONF, config_name="server")
+@one_line_errors
 def main(cfg: DictConfig) -> None:
     import uvicorn
 
