@@ -342,7 +342,7 @@ def test_the_command_line_server_starts_with_hydra_overrides(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "gemini_jax.serve", f"serve.port={port}", "serve.model_id=tiny-test",
-           "engine.max_seq_len=256", f"hydra.run.dir={tmp_path / 'run'}", "log_level=WARNING"]
+           "engine.max_seq_len=256", f"hydra.run.dir={tmp_path / 'run'}"]
     proc = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.time() + 120
@@ -361,6 +361,9 @@ def test_the_command_line_server_starts_with_hydra_overrides(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+    # At the default log_level (INFO) the server logs its own lines; libraries (absl: Orbax) stay at WARNING.
+    noise = [line for line in proc.stdout.read().splitlines() if "[absl][INFO]" in line]
+    assert not noise, noise[:5]
     bad = subprocess.run([*cmd[:3], "serve.preempt=drop", f"hydra.run.dir={tmp_path / 'bad'}"], cwd=root,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "serve.preempt" in bad.stdout + bad.stderr

@@ -29,6 +29,8 @@ def main(cfg: DictConfig) -> None:
     from gemini_jax.serve.http import create_app
 
     logging.getLogger("gemini_jax.serve").setLevel(cfg.log_level)
+    # Orbax logs each snapshot's save / restore through absl at INFO (dozens of lines per snapshot).
+    logging.getLogger("absl").setLevel(cfg.get("library_log_level", "WARNING"))
     serve = build(ServeConfig, cfg.serve)
     if cfg.weights:
         model, tokenizer = gj.load_hf(cfg.weights, dtype=cfg.model.dtype), gj.HFTokenizer(cfg.weights)
