@@ -156,13 +156,16 @@ def _haystack(name: str):
 
 def run_needle(cfg, model, tok, desc):
     from gemini_jax.eval import needle, write_needle
+    from gemini_jax.eval.needle import NeedlePrompts
 
     ex = cfg.experiment
     lengths = [int(x) for x in ex.lengths]
     eng = gj.Engine(model, _engine_for(cfg, max(lengths) + 16, model))
     draw = Draw(str(ex.split), int(cfg.seed))
+    chat = tok if hasattr(tok, "apply_chat_template") else None  # a chat model: plain-English prompts
     res = needle(eng, lengths, [float(d) for d in ex.depths], trials=int(ex.trials), batch=int(ex.batch),
-                 distractors=int(ex.distractors), haystack=_haystack(ex.haystack), draw=draw)
+                 prompts=NeedlePrompts(distractors=int(ex.distractors), tokenizer=chat),
+                 haystack=_haystack(ex.haystack), draw=draw)
     e = eng.config
     label = (f"{desc}; cache {e.cache.kind} bs={e.cache.block_size}"
              + (f" {e.cache.dtype}" if e.cache.dtype else "") + "; "

@@ -21,7 +21,7 @@ from gemini_jax.config import EngineConfig, from_dict
 from gemini_jax.engine import Engine
 from gemini_jax.errors import ConfigError
 from gemini_jax.eval.heldout import heldout_text
-from gemini_jax.eval.needle import answer, trial_example
+from gemini_jax.eval.needle import NeedlePrompts, answer, trial_example
 from gemini_jax.eval.perplexity import window_bits, window_pair
 from gemini_jax.eval.trials import Draw
 
@@ -69,7 +69,8 @@ def rerun_needle(engine, record: dict, n: int, haystack: np.ndarray | None = Non
     for k in spread(len(record["records"]), n):
         cell, t = divmod(k, trials)
         i, j = divmod(cell, len(depths))
-        ex = trial_example(haystack, lengths, depths, (i, j, t), draw, int(cfg.get("distractors", 0)))
+        ex = trial_example(haystack, lengths, depths, (i, j, t), draw,
+                           NeedlePrompts(distractors=int(cfg.get("distractors", 0))))
         was = record["records"][k]
         if ex.answer != was["key"]:  # the trial drawn is not the one recorded: the draw itself changed
             raise ConfigError(f"record {record['name']!r} trial {k}: key {ex.answer!r} drawn now, "
