@@ -39,7 +39,7 @@ test-slow: $(VENV)/.installed-test
 bench: $(VENV)/.installed-test
 	$(PY) experiments/bench.py
 
-# Regenerate the README's results tables: `make results SUBSET=needle` (default all; every subset,
+# Regenerate the results tables of docs/results.md: `make results SUBSET=needle` (default all; every subset,
 # its jobs and their rough CPU minutes: `python experiments/results.py --list`). `SUBSET=reproduce`
 # reruns a sample of each needle / bits-per-byte record at this commit. The decode subset compares
 # with transformers (the hf extra, as `make bench`).

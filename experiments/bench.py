@@ -9,7 +9,7 @@
 Writes `<out>/BENCH.md` and `<out>/bench.json` (default out: experiments/results/bench/), with a
 description of the machine and its measured memory bandwidth.
 
-Rules every row follows (DESIGN.md §8): the headline is a RATIO of variants measured side by side
+Rules every row follows (docs/architecture.md §9): the headline is a RATIO of variants measured side by side
 in this run, as the median of per-repeat ratios, with the variants interleaved inside each repeat
 (order rotated) so background load lands on all of them; absolute times are printed alongside but
 never compared across runs; compile/warm-up happens before timing.

@@ -3,12 +3,12 @@
     python experiments/reproduce.py needle/rerank_8k_test --sample 10    # 10 trials spread over the grid
     python experiments/reproduce.py perplexity/bpb_extrapolate_test --sample 2   # 2 windows per context
 
-`make results SUBSET=reproduce` runs it over every needle and bits-per-byte record the README
+`make results SUBSET=reproduce` runs it over every needle and bits-per-byte record docs/results.md
 shows. The needle and bits-per-byte subsets take hours of CPU to rerun whole; a sample of each
 record's trials, rerun through the engine configuration the record names, tells in minutes whether
 the figures still hold at the current commit (`gemini_jax.eval.reproduce`). Each run writes
 `experiments/results/reproduce/<study>_<name>.json` (+ .md) with this commit, the sample, and each
-trial then and now; the README's `results:reproduce` block is rendered from those files.
+trial then and now; the `results:reproduce` block of docs/results.md is rendered from those files.
 """
 
 from __future__ import annotations

@@ -1,18 +1,18 @@
-"""`make results [SUBSET=name]`: regenerate the README's results tables, one named subset at a time.
+"""`make results [SUBSET=name]`: regenerate the results tables of docs/results.md, one named subset at a time.
 
     python experiments/results.py --list                 # the subsets, their jobs, rough CPU times
     python experiments/results.py needle                 # run every job of a subset (long: see --list)
     python experiments/results.py needle --missing       # only jobs whose record file is absent
-    python experiments/results.py --render               # rewrite the README's generated tables
+    python experiments/results.py --render               # rewrite docs/results.md's generated tables
     python experiments/results.py --stale                # records measured on other code than HEAD's
 
 Each job is an `experiments/run.py` (or `bench.py`) command; it writes its record (command, config, commit, split,
-seeds, records) under experiments/results/. `--render` rebuilds the README blocks between
-`<!-- results:NAME -->` and `<!-- /results:NAME -->` from those files alone, so a table in the
-README is never typed by hand; tests/test_results_files.py checks that the README's blocks are
-what the committed files render to.
+seeds, records) under experiments/results/. `--render` rebuilds the blocks of docs/results.md
+between `<!-- results:NAME -->` and `<!-- /results:NAME -->` from those files alone, so a table
+there is never typed by hand; tests/test_results_files.py checks that those blocks are what the
+committed files render to.
 
-Knobs were chosen on dev trials; the README reports test trials, with dev beside them
+Knobs were chosen on dev trials; docs/results.md reports test trials, with dev beside them
 (gemini_jax.eval.trials).
 """
 
@@ -307,7 +307,7 @@ def main(argv=None) -> int:
     ap.add_argument("subsets", nargs="*", help=f"named subsets ({', '.join(SUBSETS)}; 'all' for every one)")
     ap.add_argument("--list", action="store_true", help="list subsets and jobs, run nothing")
     ap.add_argument("--missing", action="store_true", help="run only jobs whose record file is absent")
-    ap.add_argument("--render", action="store_true", help="rewrite the README's generated tables from the files")
+    ap.add_argument("--render", action="store_true", help="rewrite docs/results.md's generated tables from the files")
     ap.add_argument("--stale-only", action="store_true",
                     help="run only jobs whose record is absent or stale; the reproduce subset runs first, so a "
                          "needle or bits-per-byte record its sample reproduces is not rerun in full")
@@ -335,10 +335,10 @@ def main(argv=None) -> int:
         names = ["reproduce", *[n for n in names if n != "reproduce"]]
     failed = sum(run_subset(n, missing_only=args.missing, stale_only=args.stale_only) for n in names)
     if args.render:
-        from results_tables import render_readme  # this script's directory is on sys.path
+        from results_tables import DOC, render_file  # this script's directory is on sys.path
 
-        changed = render_readme(os.path.join(ROOT, "README.md"), RESULTS)
-        print(f"README.md: {changed} generated table(s) rewritten")
+        changed = render_file(os.path.join(ROOT, DOC), RESULTS)
+        print(f"{DOC}: {changed} generated table(s) rewritten")
     return 1 if failed else 0
 
 

@@ -1,10 +1,11 @@
-"""The README's generated results tables, and the checks every committed result file must pass.
+"""The generated results tables of docs/results.md, and the checks every committed result file must pass.
 
-A README block is the text between `<!-- results:NAME -->` and `<!-- /results:NAME -->`; it is
-rendered here from the record files under experiments/results/ and nothing else, so
+A block is the text between `<!-- results:NAME -->` and `<!-- /results:NAME -->` in docs/results.md;
+it is rendered here from the record files under experiments/results/ and nothing else, so
 `python experiments/results.py --render` rewrites it and tests/test_results_files.py fails when
-the README and the files disagree. A record that a subset has not produced yet renders as
-"not run yet" with the command that makes it, never as a number.
+the page and the files disagree. A record that a subset has not produced yet renders as
+"not run yet" with the command that makes it, never as a number. Links in a block are relative to
+docs/ (`LINK_BASE`).
 """
 
 from __future__ import annotations
@@ -15,10 +16,13 @@ import re
 
 from gemini_jax.eval.intervals import mean_t95, paired_difference, wilson
 
-REQUIRED = ("command", "config", "commit", "split", "seeds")  # DESIGN.md: every committed result records these
+# docs/architecture.md §9: every committed result records these
+REQUIRED = ("command", "config", "commit", "split", "seeds")
 LEGACY = "legacy"  # experiments/results/legacy/: files from before records carried them (its README lists each)
 NEEDLE_GOAL = 0.95  # needle exact match at 8K and 32K with compact positions (the shipped presets' goal)
 COMMIT = re.compile(r"^[0-9a-f]{40}$")
+DOC = os.path.join("docs", "results.md")  # the page the blocks live in, relative to the checkout
+LINK_BASE = "../experiments/results"  # experiments/results/ as a link from DOC
 
 
 # ---- checks ---------------------------------------------------------------------------------
@@ -40,12 +44,20 @@ def record_problems(record) -> list[str]:
     return out
 
 
+# experiments/results/gpu/: what experiments/gpu_check.sh measured on a lent GPU machine. `make results`
+# cannot rerun them here (no GPU), and the machine's copy of the checkout can trail the commit its files
+# were copied from (its records may say "<commit>+dirty"); gpu/README.md says which code they measured.
+GPU = "gpu"
+
+
 def result_files(results_dir: str) -> tuple[list[str], list[str]]:
     """(current JSON records, legacy files) under results_dir, as paths relative to it."""
     current, legacy = [], []
     for dirpath, _, files in os.walk(results_dir):
         for f in files:
             rel = os.path.relpath(os.path.join(dirpath, f), results_dir)
+            if rel.split(os.sep)[0] == GPU:  # device records: their README says how they were made
+                continue
             if rel.split(os.sep)[0] == LEGACY:
                 if f != "README.md" and f.endswith((".json", ".md")):
                     legacy.append(rel)
@@ -69,7 +81,7 @@ def _pct(hits: int, n: int) -> str:
 
 
 def _link(record: str) -> str:
-    return f"[{record.split('/')[-1]}](experiments/results/{record}.md)"
+    return f"[{record.split('/')[-1]}]({LINK_BASE}/{record}.md)"
 
 
 def _missing(subset: str) -> str:
@@ -104,7 +116,7 @@ def needle_block(results_dir: str) -> str:
                 if old:
                     n = old["trials"] * len(old["depths"])
                     hits = int(round(sum(old["accuracy"][0]) * old["trials"]))
-                    cells[1] = (f"{_pct(hits, n)}, [earlier commit]({'experiments/results/' + LEGACY_DEV[key, tag]}.md) "
+                    cells[1] = (f"{_pct(hits, n)}, [earlier commit]({LINK_BASE}/{LEGACY_DEV[key, tag]}.md) "
                                 f"(not rerun here yet)")
             met = "—"
             if test:
@@ -225,7 +237,7 @@ def decode_block(results_dir: str) -> str:
     return "\n".join(rows + ["", " ".join(notes), "", f"Goals: batch 1 at 2K ≥ 2× transformers; ≥ 60% of the bandwidth bound "
                                  f"(weights + KV bytes per step at the {gbs:.1f} GB/s measured in the same run) "
                                  f"at 16K. Ratios are medians of per-repeat ratios (min–max), all variants "
-                                 f"interleaved in one process. From [BENCH.md](experiments/results/bench_decode/BENCH.md) "
+                                 f"interleaved in one process. From [BENCH.md]({LINK_BASE}/bench_decode/BENCH.md) "
                                  f"(raw: `bench.json`), commit `{rec['commit'][:7]}`, seed {rec['seeds'][0]}."])
 
 
@@ -262,7 +274,7 @@ def tiers_block(results_dir: str) -> str:
         "when their layer needed them). Goal, 25% device, depth 2, PCIe 5 (≥ 0.9× and ≥ 95%): " + "; ".join(goals)
         + ". Goal, real links with no page moving (100%, depth 0, ≥ 0.95×): " + "; ".join(still)
         + f". Greedy tokens equal to the all-resident engine's in every cell: {'✓' if same else '✗'}. Every link, "
-        f"the matched time scales and the min–max of each ratio: [BENCH.md](experiments/results/bench_tiers/BENCH.md) "
+        f"the matched time scales and the min–max of each ratio: [BENCH.md]({LINK_BASE}/bench_tiers/BENCH.md) "
         f"(raw: `bench.json`), commit `{rec['commit'][:7]}`, seed {rec['seeds'][0]}."])
 
 
@@ -291,7 +303,7 @@ def serve_block(results_dir: str) -> str:
         return _missing("serve")
     import importlib.util
 
-    # The table is the experiment's own markdown (one renderer for the record's .md and the README).
+    # The table is the experiment's own markdown (one renderer for the record's .md and docs/results.md).
     spec = importlib.util.spec_from_file_location("serve_load", os.path.join(os.path.dirname(__file__),
                                                                              "serve_load.py"))
     module = importlib.util.module_from_spec(spec)
@@ -399,12 +411,12 @@ def kv_quant_block(results_dir: str) -> str:
                  f"{r['quant']['pages_up']} | {r['tier_bytes_ratio']:.3f}× {'✓' if r['tier_bytes_ratio'] <= 0.27 else '✗'} |"
                  for r in tiers]
     return "\n".join(rows + tail + ["", *brow, "", f"Bytes goal ≤ 0.27× of float32, scales included. From "
-                                     f"[BENCH.md](experiments/results/bench_kv_quant/BENCH.md) (raw: `bench.json`), "
+                                     f"[BENCH.md]({LINK_BASE}/bench_kv_quant/BENCH.md) (raw: `bench.json`), "
                                      f"commit `{bench['commit'][:7]}`, seed {bench['seeds'][0]}."])
 
 
 def reproduce_block(results_dir: str) -> str:
-    """One row per needle / bits-per-byte record the README shows: a sample of its trials rerun at a
+    """One row per needle / bits-per-byte record docs/results.md shows: a sample of its trials rerun at a
     later commit (experiments/reproduce.py), and how many came out the same."""
     import importlib.util
 
@@ -580,22 +592,23 @@ def render(text: str, results_dir: str) -> tuple[str, int]:
     changed = 0
     for name in re.findall(r"<!-- results:(\w+) -->", text):
         if name not in BLOCKS:
-            raise ValueError(f"README block 'results:{name}' has no renderer; known: {sorted(BLOCKS)}")
+            raise ValueError(f"block 'results:{name}' has no renderer; known: {sorted(BLOCKS)}")
         pat = re.compile(rf"(<!-- results:{name} -->\n)(.*?)(<!-- /results:{name} -->)", re.S)
         m = pat.search(text)
         if m is None:
-            raise ValueError(f"README block 'results:{name}' is not closed by <!-- /results:{name} -->")
+            raise ValueError(f"block 'results:{name}' is not closed by <!-- /results:{name} -->")
         body = BLOCKS[name](results_dir) + "\n"
         changed += m.group(2) != body
         text = text[:m.start(2)] + body + text[m.end(2):]
     return text, changed
 
 
-def render_readme(readme: str, results_dir: str) -> int:
-    with open(readme) as fh:
+def render_file(path: str, results_dir: str) -> int:
+    """Re-render every block of the page at `path` (docs/results.md) in place; blocks that changed."""
+    with open(path) as fh:
         text = fh.read()
     new, changed = render(text, results_dir)
     if changed:
-        with open(readme, "w") as fh:
+        with open(path, "w") as fh:
             fh.write(new)
     return changed

@@ -284,7 +284,7 @@ def main() -> None:
 
 
 def markdown(rec: dict) -> str:
-    """The results table (also rendered into the README by experiments/results_tables.py)."""
+    """The results table (also rendered into docs/results.md by experiments/results_tables.py)."""
     mark = lambda ok: "✓" if ok else "✗"  # noqa: E731
     ms = lambda v: "–" if v is None else f"{v * 1000:.0f} ms"  # noqa: E731
     rate = lambda v: "–" if v is None else f"{v:.1f}"  # noqa: E731

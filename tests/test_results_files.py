@@ -1,12 +1,16 @@
-"""Every committed result file can be trusted to say where it came from, and the README's results
-tables are exactly what those files render to (experiments/results_tables.py)."""
+"""Every committed result file can be trusted to say where it came from; the generated pages are what
+their sources render to (docs/results.md: the record files, experiments/results_tables.py; docs/knobs.md:
+gemini_jax/config.py, experiments/knobs.py); every relative link in README.md and docs/ names a file here."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
+import re
 import subprocess
+import sys
 
 import pytest
 
@@ -28,8 +32,6 @@ rt = _tables()
 
 def _results_module():
     """experiments/results.py as a module (it is a script, not a package member)."""
-    import sys
-
     spec = importlib.util.spec_from_file_location("results", os.path.join(ROOT, "experiments", "results.py"))
     mod = importlib.util.module_from_spec(spec)
     sys.modules.setdefault("results", mod)  # dataclasses look the module up
@@ -89,12 +91,54 @@ def test_legacy_files_are_each_listed_in_its_readme():
     assert here == listed, {"unlisted": sorted(here - listed), "listed but absent": sorted(listed - here)}
 
 
-def test_readme_results_tables_are_what_the_files_render_to():
-    with open(os.path.join(ROOT, "README.md")) as fh:
+def test_results_page_tables_are_what_the_files_render_to():
+    with open(os.path.join(ROOT, rt.DOC)) as fh:
         text = fh.read()
-    assert text.count("<!-- results:") >= 3, "the README's generated blocks are gone"
+    assert set(re.findall(r"<!-- results:(\w+) -->", text)) == set(rt.BLOCKS), f"{rt.DOC} lacks a generated block"
     rendered, changed = rt.render(text, RESULTS)
-    assert changed == 0, "README results tables differ from the files: run `python experiments/results.py --render`"
+    assert changed == 0, f"{rt.DOC} tables differ from the files: run `python experiments/results.py --render`"
+
+
+def test_knobs_page_is_what_config_py_renders_to():
+    spec = importlib.util.spec_from_file_location("knobs", os.path.join(ROOT, "experiments", "knobs.py"))
+    knobs = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("knobs", knobs)  # dataclasses look the module up
+    spec.loader.exec_module(knobs)
+    with open(os.path.join(ROOT, knobs.DOC)) as fh:
+        text = fh.read()
+    assert text == knobs.render(ROOT), f"{knobs.DOC} differs from config.py: run `python experiments/knobs.py`"
+    from gemini_jax import config
+
+    every = {c for c in vars(config).values() if isinstance(c, type) and dataclasses.is_dataclass(c)
+             and c.__module__ == config.__name__}
+    assert {s.cls for s in knobs.SECTIONS} == every, "a config dataclass has no section in docs/knobs.md"
+    missing = [f"{s.key}.{f.name}" for s in knobs.SECTIONS for f in dataclasses.fields(s.cls)
+               if f"| `{s.key}.{f.name}` |" not in text]
+    assert not missing, missing
+
+
+def _anchors(path: str) -> set[str]:
+    """The heading anchors GitHub gives a markdown page: lowercased, punctuation dropped, spaces as '-'."""
+    with open(path) as fh:
+        text = re.sub(r"```.*?```", "", fh.read(), flags=re.S)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in re.findall(r"^#+ (.*)$", text, re.M)}
+
+
+def test_relative_links_in_readme_and_docs_name_files_in_the_repository():
+    pages = ["README.md"] + [os.path.join("docs", f) for f in sorted(os.listdir(os.path.join(ROOT, "docs")))
+                             if f.endswith(".md")]
+    broken = []
+    for page in pages:
+        with open(os.path.join(ROOT, page)) as fh:
+            text = re.sub(r"```.*?```", "", fh.read(), flags=re.S)  # code blocks hold commands, not links
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue
+            file, _, anchor = target.partition("#")
+            path = os.path.normpath(os.path.join(ROOT, os.path.dirname(page), file)) if file else os.path.join(ROOT, page)
+            if not os.path.exists(path) or (anchor and path.endswith(".md") and anchor not in _anchors(path)):
+                broken.append((page, target))
+    assert not broken, broken
 
 
 def test_render_fills_a_stale_block_and_refuses_an_unknown_one(tmp_path):
@@ -258,3 +302,22 @@ def test_stale_only_runs_the_stale_and_absent_jobs_alone(monkeypatch, tmp_path):
     monkeypatch.setattr(res.subprocess, "run", lambda cmd, **kw: ran.append(cmd[1]) or Done())
     assert res.run_subset("x", missing_only=False, stale_only=True) == 0
     assert len(ran) == 2, ran  # the stale and the absent job, not the current one
+
+
+def test_gpu_records_name_a_commit_of_this_history_and_their_readme_says_which_code_ran():
+    """experiments/results/gpu/ (gpu_check.sh on a lent machine) is not a `make results` record: each
+    JSON there still carries its command and a commit of this history, and README.md names that commit."""
+    gpu = os.path.join(RESULTS, rt.GPU)
+    files = [os.path.join(d, f) for d, _, fs in os.walk(gpu) for f in fs if f.endswith(".json")]
+    if not files:
+        pytest.skip("no GPU records")
+    with open(os.path.join(gpu, "README.md")) as fh:
+        readme = fh.read()
+    for path in files:
+        with open(path) as fh:
+            rec = json.load(fh)
+        commit = rec["commit"].removesuffix("+dirty")
+        assert rec.get("command") and commit, path
+        assert commit[:7] in readme, f"{path}: commit {commit[:7]} is not named in gpu/README.md"
+        if _git("rev-parse", "--is-shallow-repository").stdout.strip() == "false":
+            assert _git("merge-base", "--is-ancestor", commit, "HEAD").returncode == 0, f"{path}: {commit}"

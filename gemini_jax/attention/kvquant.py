@@ -7,7 +7,7 @@ and read back as `data * scale` in float32. The scale is per token, not per page
 page fills one decode step at a time: a page-wide scale would have to grow as larger keys
 arrive, re-rounding every key already in the page; a token's scale never changes once written,
 so a page holds the same bytes however it was filled (prefill chunk or decode steps), and the
-paged and contiguous caches hold the same numbers (DESIGN.md §5 within a quantized dtype).
+paged and contiguous caches hold the same numbers (docs/architecture.md §6 within a quantized dtype).
 
 Cost: head_dim bytes + 4 per vector, i.e. (D + 4) / (4 D) of float32 (0.266 at D = 64).
 

@@ -1,4 +1,4 @@
-"""The counters every runner reports (DESIGN.md §4), and the byte accounting they share."""
+"""The counters every runner reports (docs/architecture.md §5), and the byte accounting they share."""
 
 from __future__ import annotations
 

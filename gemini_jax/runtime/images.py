@@ -6,7 +6,7 @@ preempted request keeps in host memory while its pages serve others.
     images.restore(kv, store, sid, image)      # later: same tokens, same bytes, maybe other pages
 
 NOTE: the bytes are copied, not recomputed, so a restored sequence decodes exactly as if it had
-never left (DESIGN.md §5: paging and tiering change where bytes live, never the numbers).
+never left (docs/architecture.md §6: paging and tiering change where bytes live, never the numbers).
 """
 
 from __future__ import annotations

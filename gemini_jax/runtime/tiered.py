@@ -2,7 +2,7 @@
 disk (`gemini_jax.tiers.TieredStore`), run layer by layer so the host can make each layer's
 pages resident before it attends.
 
-One call (a prefill chunk or a decode step), for every layer l (DESIGN.md §7):
+One call (a prefill chunk or a decode step), for every layer l (docs/architecture.md §8):
 
     q, k, v   = layer l's first half                                   (device)
     write k/v into the slots of the pages they land in; refresh those pages' digests

@@ -1,5 +1,5 @@
 """KV pages below the device: host RAM and disk stores, device-slot residency, predictive
-prefetch, and a cost model that projects counted transfers onto hardware tiers (DESIGN.md §7).
+prefetch, and a cost model that projects counted transfers onto hardware tiers (docs/architecture.md §8).
 
     spec  = PageSpec(num_layers=L, num_pages=P, kv_heads=K, block_size=S, head_dim=D, dtype="bfloat16")
     stack = TierStack(spec, TierConfig(enabled=True, host_pages=4096, disk_path="/nvme/kv"))

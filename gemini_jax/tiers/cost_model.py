@@ -63,7 +63,7 @@ class RunCounters:
 
     @classmethod
     def from_stats(cls, stats: dict, *, page_bytes: int, **extra) -> "RunCounters":
-        """From an engine's counter dict (DESIGN.md §4 names)."""
+        """From an engine's counter dict (docs/architecture.md §5 names)."""
         keys = ("decode_steps", "kv_bytes_read", "pages_fetched_host", "pages_fetched_disk",
                 "prefetch_hits", "prefetch_misses")
         return cls(**{k: int(stats.get(k, 0)) for k in keys}, page_bytes=page_bytes, **extra)

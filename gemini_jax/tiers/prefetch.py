@@ -1,7 +1,7 @@
 """Predictive prefetch: `Predictor` guesses which (layer, page) units the next layers will read,
 `Prefetcher` fetches them from the tiers below into a staging buffer while the device computes.
 
-One decode step over tiers, layer by layer (DESIGN.md §7):
+One decode step over tiers, layer by layer (docs/architecture.md §8):
 
     for layer in range(num_layers):
         selected = ...                                    # on device, from digests

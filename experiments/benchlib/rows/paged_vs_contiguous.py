@@ -73,8 +73,9 @@ def measure_decode_steps(ctx: Context) -> list[dict]:
     "for both and a pool sized for one sequence. Prefilling 64K tokens on a CPU would take far longer "
     "than the steps being measured, so each engine's cache is filled with random K/V for `context` "
     "tokens (the paged sequence is registered in the `KVCacheManager` as prefill leaves it) and the "
-    "engine's own per-token decode path is stepped (`runner.decode`: host bookkeeping + the jitted "
-    "`Engine._step` + a host argmax); attention cost does not depend on the values. Each repeat runs "
+    "engine's own per-token decode path is stepped (`runner.decode`: host bookkeeping + the engine's "
+    "jitted whole-model step `RunContext.step` + a host argmax); attention cost does not depend on the "
+    "values. Each repeat runs "
     f"every variant for a few consecutive steps, interleaved; headline = median over repeats of "
     f"paged/contiguous (goal ≤ {GOAL}×). A diagnostic line runs the paged engine with a few pages "
     "less context, so its block table is not rounded up past a width step."))

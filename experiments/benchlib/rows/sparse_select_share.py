@@ -57,7 +57,8 @@ def selection_only(model_cfg, sp: SparseConfig, block_size: int):
 @row("sparse_select_share", about=(
     "Share of a sparse decode step spent in page scoring + top-k selection. Side by side and "
     "interleaved: (a) the sparse engine's full decode step (`runner.decode` as in `sparse_vs_dense`: "
-    "block table, the jitted `Engine._step` — digest update, scoring, selection, sparse attention, "
+    "block table, the jitted whole-model step `RunContext.step` — digest update, scoring, selection, "
+    "sparse attention, "
     "MLPs, LM head — and the host argmax), cache filled with random K/V and digests computed from it; "
     "(b) one jitted function doing only the selection work for all layers on the same shapes and "
     "the same arrays (the engine's digests, its block table at the step's width, random queries "

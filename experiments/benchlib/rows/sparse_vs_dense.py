@@ -123,7 +123,8 @@ def _markdown(records, s, per_pos: int) -> str:
     peak = max((r["peak_rss_gib"] for r in records), default=0.0)
     md += (
         f"\n\n**Figures.** *dense step / sparse step*: median wall time of one engine decode step "
-        f"(`runner.decode`: block table + jitted `Engine._step` + host argmax), dense paged vs sparse "
+        f"(`runner.decode`: block table + the jitted whole-model step `RunContext.step` + host argmax), "
+        f"dense paged vs sparse "
         f"paged at the same block size; *dense / sparse* is the median of per-repeat ratios ({s['repeats']} "
         f"repeats × {s['steps']} consecutive steps, the two engines interleaved, order rotated; min–max in "
         f"parentheses) — the speed-up of sparsity. *Bandwidth-bound projection*: the speed-up if both "

@@ -1,4 +1,4 @@
-"""Study `exactness`: the logit errors behind the exactness invariants (DESIGN.md §5), measured.
+"""Study `exactness`: the logit errors behind the exactness invariants (docs/architecture.md §6), measured.
 
 The tests assert tolerances; this study records the errors those tolerances hold. Everything runs in
 fp32 on seeded random tiny models (every weight random, norms and biases included) and fresh seeded
