@@ -137,6 +137,24 @@ def needle_block(results_dir: str) -> str:
     return "\n".join(rows + ["", f"Commit(s) the files came from: {_commits(loaded)}."])
 
 
+def smollm2_needle_block(results_dir: str) -> str:
+    """SmolLM2-135M-Instruct: dense vs sparse at one budget on the same test trials (chat prompts)."""
+    recs = {name: _load(results_dir, f"needle/smollm2_{name}_test") for name in ("dense", "quest1024")}
+    if not any(recs.values()):
+        return _missing("smollm2")
+    lengths = sorted({bl["length"] for r in recs.values() if r for bl in r["by_length"]})
+    rows = ["| context | dense | sparse, budget 1024 tokens (`sparse=quest`, dense prefill) |", "|---|---|---|"]
+    for length in lengths:
+        cells = []
+        for rec in recs.values():
+            bl = next((b for b in rec["by_length"] if b["length"] == length), None) if rec else None
+            cells.append(_pct(bl["hits"], bl["trials"]) if bl else "—")
+        rows.append(f"| {length // 1024}K | {cells[0]} | {cells[1]} |")
+    files = " / ".join(_link(f"needle/smollm2_{name}_test") for name, r in recs.items() if r)
+    return "\n".join(rows + ["", f"Test trials, 5 depths x 2 trials per context, the same prompts in both columns; "
+                                 f"files {files}; commit(s) {_commits(recs.values())}."])
+
+
 def bpb_block(results_dir: str) -> str:
     lengths = (2048, 4096, 8192, 16384, 32768)
     rows = ["| preset | trials | " + " | ".join(f"{L // 1024}K" for L in lengths) + " | file |",
@@ -579,7 +597,7 @@ def ruler_block(results_dir: str) -> str:
     return "\n".join(rows + notes)
 
 
-BLOCKS = {"needle": needle_block, "bpb": bpb_block, "make_run": make_run_block, "exactness": exactness_block,
+BLOCKS = {"needle": needle_block, "smollm2_needle": smollm2_needle_block, "bpb": bpb_block, "make_run": make_run_block, "exactness": exactness_block,
           "decode": decode_block, "tiers": tiers_block, "prefix": prefix_block,
           "serve": serve_block, "reproduce": reproduce_block,
           "kv_quant": kv_quant_block, "code": code_block,
