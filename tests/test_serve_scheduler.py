@@ -136,12 +136,16 @@ def test_preemption_takes_the_worst_ranked(engine, churn):
             for k, i in enumerate(long)]
     for r in reqs:
         sched.submit(r)
-    first = None
+    first = kept = None
     while sched.step():
         if first is None and sched.preemptions:
             first = [r for r in reqs if r.preemptions]
+            kept = [r for r in reqs if not r.preemptions and not r.finished]
     assert first, "the pool was meant to force preemption"
-    assert all(r.priority == 2 for r in first), [(r.rid, r.priority) for r in first]
+    # How many go at once depends on the pages free when the pool runs out (the shared engine's
+    # prefix cache holds what earlier tests left, in any order); which go does not: none kept ranks worse.
+    assert min(r.priority for r in first) >= max((r.priority for r in kept), default=0), \
+        ([(r.rid, r.priority) for r in first], [(r.rid, r.priority) for r in kept])
 
 
 def test_bad_requests_are_refused_and_change_nothing(engine):
