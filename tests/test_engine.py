@@ -5,7 +5,7 @@ import pytest
 
 import gemini_jax as gj
 from gemini_jax.errors import ContextLengthError, SamplingError, TokenError
-from gemini_jax.testing import FAMILIES, random_model, random_prompts, tiny_config
+from gemini_jax.testing import FAMILIES, logits_tolerance, random_model, random_prompts, tiny_config
 
 
 CACHES = {"contiguous": dict(kind="contiguous"), "paged8": dict(block_size=8),
@@ -28,11 +28,17 @@ def test_engine_matches_forward(family, cache):
     for p, toks, lg in zip(prompts, out.tokens, out.logits):
         assert len(toks) == 12
         ref = np.asarray(gj.forward(model, p + toks))[len(p) - 1: len(p) - 1 + len(toks)]
-        np.testing.assert_allclose(lg, ref, rtol=0, atol=1e-5 * max(1.0, np.abs(ref).max()), err_msg=f"seed={seed}")
-        # Teacher-forced greedy check: each token is the reference argmax (up to near-ties).
+        # The contract (README, exactness table): within 1e-5 * max(1, max|ref|). The float bound of
+        # this computation (its layers, its longest reduction) must sit below it, and the logits below that.
+        contract = 1e-5 * max(1.0, np.abs(ref).max())
+        tol = logits_tolerance(cfg, context=len(p) + 12, reference=ref)
+        assert tol <= contract, f"seed={seed}: the float bound {tol:.3g} exceeds the contract {contract:.3g}"
+        np.testing.assert_allclose(lg, ref, rtol=0, atol=tol, err_msg=f"seed={seed}")
+        # Teacher-forced greedy check: each token is the reference argmax up to near-ties, which the
+        # engine's logits (each within tol of the reference) may order either way: a gap of 2 tol.
         top = ref.max(-1)
         chosen = np.take_along_axis(ref, np.asarray(toks)[:, None], -1)[:, 0]
-        assert np.all(top - chosen <= 1e-5), f"seed={seed}"
+        assert np.all(top - chosen <= 2 * tol), f"seed={seed}: chosen token {(top - chosen).max():.3g} below the top"
     assert out.stats["prefill_tokens_computed"] == sum(map(len, prompts))
     assert out.stats["decode_steps"] == 11
     assert out.stats["compute_units"] == (sum(map(len, prompts)) + 3 * 11) * cfg.num_layers

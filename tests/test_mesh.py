@@ -9,6 +9,8 @@ import sys
 import numpy as np
 import pytest
 
+from gemini_jax.testing import float_tolerance
+
 
 @pytest.fixture(scope="module")
 def report():
@@ -21,8 +23,13 @@ def report():
 
 
 def test_meshes_match_single_device(report):
+    # A mesh (and a mesh over tiers) sums the heads' outputs across devices in another order than one
+    # device does: the decoder's float bound, its layers each with their longest reduction.
+    shape = report["shape"]
+    tol = float_tolerance(depth=shape["num_layers"], magnitude=report["max_abs_ref"],
+                          terms=max(shape["hidden_size"], shape["intermediate_size"], shape["context"]))
     for key, err in report["max_err"].items():
-        assert err <= 1e-5, f"{key}: max |logit diff| {err} (seed {report['seed']})"
+        assert err <= tol, f"{key}: max |logit diff| {err:.3g} > {tol:.3g} (seed {report['seed']})"
     assert all(report["tokens_equal"].values()), report["tokens_equal"]
 
 

@@ -8,7 +8,7 @@ import gemini_jax as gj
 from gemini_jax.cache.block_pool import NULL_PAGE, BlockPool
 from gemini_jax.cache.manager import KVCacheManager
 from gemini_jax.errors import CacheExhausted
-from gemini_jax.testing import random_model, random_prompts, tiny_config
+from gemini_jax.testing import logits_tolerance, random_model, random_prompts, tiny_config
 
 
 def _owners(mgr: KVCacheManager) -> dict[int, int]:
@@ -105,7 +105,8 @@ def _engine(model, **cache):
 
 def test_prefix_reuse_4k_computes_only_suffix():
     """A second request sharing a 4K-token prefix computes only its suffix, same logits as cold."""
-    rng = np.random.default_rng(1)
+    seed = 1
+    rng = np.random.default_rng(seed)
     cfg = tiny_config("llama")
     model = random_model(cfg, int(rng.integers(1000)))
     prefix = random_prompts(rng, cfg.vocab_size, (4096,))[0]
@@ -119,8 +120,10 @@ def test_prefix_reuse_4k_computes_only_suffix():
     assert out.stats["prefill_tokens_computed"] == 21
     cold = _engine(model, prefix_caching=False).generate(second, params, return_logits=True)
     assert cold.stats["prefill_tokens_reused"] == 0 and cold.stats["prefill_tokens_computed"] == 4117
-    np.testing.assert_allclose(out.logits, cold.logits, atol=1e-5, rtol=0)
-    assert out.tokens == cold.tokens
+    # The suffix attends over 4K cached keys in other chunks than the cold prefill did.
+    tol = logits_tolerance(cfg, context=4117 + 4, reference=cold.logits)
+    np.testing.assert_allclose(out.logits, cold.logits, atol=tol, rtol=0, err_msg=f"seed={seed}")
+    assert out.tokens == cold.tokens, f"seed={seed}"
 
 
 def test_fork_shares_full_pages_and_copies_the_partial_one():
@@ -167,7 +170,8 @@ def test_rewind_copies_partial_page_in_the_engine_pool():
         logits.append(np.asarray(sess.logits)[0])
     assert len(cont) == 4
     ref = np.asarray(gj.forward(eng.model, tokens[:keep] + cont))[keep - 1:]
-    np.testing.assert_allclose(np.stack(logits), ref, atol=1e-5, rtol=0, err_msg=f"seed={seed}")
+    tol = logits_tolerance(cfg, context=keep + 4, reference=ref)
+    np.testing.assert_allclose(np.stack(logits), ref, atol=tol, rtol=0, err_msg=f"seed={seed}")
     sess.close()
     assert eng.kv.pool.num_used == 0
 
@@ -188,7 +192,8 @@ def _run_counting_pages(cfg, seed, prompt_len=120):
     eng.kv.commit = spy
     out = eng.generate(prompt, params, return_logits=True)
     ref = np.asarray(gj.forward(eng.model, prompt + out.tokens))[len(prompt) - 1:len(prompt) + 1]
-    np.testing.assert_allclose(out.logits, ref, atol=1e-5, err_msg=f"{cfg.family} seed={seed}")
+    tol = logits_tolerance(cfg, context=prompt_len + 2, reference=ref)
+    np.testing.assert_allclose(out.logits, ref, atol=tol, rtol=0, err_msg=f"{cfg.family} seed={seed}")
     return out, prompt, held
 
 
@@ -210,7 +215,8 @@ def test_sliding_window_frees_pages_only_when_no_layer_needs_them():
 def test_engine_pallas_decode_matches_xla(family, platform):
     """attention_impl='pallas' (interpret mode on CPU) gives the XLA path's logits and tokens, with
     the TPU kernels (the CPU default) and with the GPU (Triton) kernels."""
-    rng = np.random.default_rng(2)
+    seed = 2
+    rng = np.random.default_rng(seed)
     cfg = tiny_config(family)
     model = random_model(cfg, int(rng.integers(100)))
     prompts = random_prompts(rng, cfg.vocab_size, (5, 19, 11))
@@ -221,6 +227,7 @@ def test_engine_pallas_decode_matches_xla(family, platform):
             max_seq_len=48, prefill_chunk=16, attention_impl=impl, kernel_platform=platform,
             cache=dict(block_size=8))))
         outs[impl] = eng.generate(prompts, params, return_logits=True)
-    assert outs["xla"].tokens == outs["pallas"].tokens
-    for a, b in zip(outs["xla"].logits, outs["pallas"].logits):
-        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+    assert outs["xla"].tokens == outs["pallas"].tokens, f"seed={seed}"
+    for a, b in zip(outs["xla"].logits, outs["pallas"].logits):  # the kernel's softmax sums in its own order
+        np.testing.assert_allclose(a, b, atol=logits_tolerance(cfg, context=19 + 5, reference=a), rtol=0,
+                                   err_msg=f"seed={seed}")

@@ -10,7 +10,7 @@ from gemini_jax.attention.digests import page_digest
 from gemini_jax.attention.select import MassCut, kept_pages, rank_pages, within_mass
 from gemini_jax.attention.views import PageView, Selection
 from gemini_jax.errors import ConfigError
-from gemini_jax.testing import FAMILIES, random_model, random_prompts, tiny_config
+from gemini_jax.testing import FAMILIES, float_tolerance, logits_tolerance, random_model, random_prompts, tiny_config
 
 
 def _engine(model, sparse=None, block=8, **kw):
@@ -25,7 +25,8 @@ def test_budget_covering_context_equals_dense_paged(family, every_variant):
     """Invariant 3: sparse with budget >= context is dense paged, token for token. CI runs each
     family's plain variant and one other, taking turns so every variant meets some family;
     `make test-slow` runs every variant on every family."""
-    rng = np.random.default_rng(1)
+    seed = 1
+    rng = np.random.default_rng(seed)
     cfg = tiny_config(family)
     model = random_model(cfg, int(rng.integers(1000)))
     prompts = random_prompts(rng, cfg.vocab_size, (9, 60, 101))
@@ -42,9 +43,12 @@ def test_budget_covering_context_equals_dense_paged(family, every_variant):
         variants = [variants[0], variants[1 + FAMILIES.index(family) % (len(variants) - 1)]]
     for sparse in variants:
         out = _engine(model, sparse).generate(prompts, params, return_logits=True)
-        assert out.tokens == dense.tokens
+        assert out.tokens == dense.tokens, f"seed={seed} {sparse}"
         for a, b in zip(out.logits, dense.logits):
-            np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+            # The contract (README, exactness table): within 1e-5 of dense. This float bound (the
+            # attention's sums over the context reordered, per layer) caps it where it is tighter.
+            tol = min(1e-5, logits_tolerance(cfg, context=max(map(len, prompts)) + 10, reference=b))
+            np.testing.assert_allclose(a, b, atol=tol, rtol=0, err_msg=f"seed={seed} {sparse}")
         assert out.stats["pages_selected"] > 0 and out.stats["digest_bytes_read"] > 0
 
 
@@ -64,7 +68,8 @@ def test_small_budget_reads_less_and_counts_it():
 @pytest.mark.parametrize("kind", ["minmax", "mean"])
 def test_digests_match_pages_after_generate(kind):
     """Digests on device equal the brute-force digest of each page's valid keys (partial too)."""
-    rng = np.random.default_rng(3)
+    seed = 3
+    rng = np.random.default_rng(seed)
     cfg = tiny_config("qwen3")
     eng = _engine(random_model(cfg, 4), dict(enabled=True, budget=64, digest=kind))
     prompt = random_prompts(rng, cfg.vocab_size, (45,))[0]
@@ -80,23 +85,28 @@ def test_digests_match_pages_after_generate(kind):
     for i, page in enumerate(seq.pages):
         count = min(8, seq.num_tokens - i * 8)
         keys = k[:, :, page, :count]  # [L, K, count, D]
-        if kind == "minmax":
+        if kind == "minmax":  # min and max round nothing: exact
             want = np.stack([keys.min(2), keys.max(2)], axis=2)
-        else:
+            np.testing.assert_array_equal(dig[:, :, page], want, err_msg=f"seed={seed} page {page}")
+        else:  # a mean of `count` keys: one sum
             want = keys.mean(2)[:, :, None]
-        np.testing.assert_allclose(dig[:, :, page], want, atol=1e-6)
+            tol = float_tolerance(depth=1, terms=count, magnitude=np.abs(keys).max())
+            np.testing.assert_allclose(dig[:, :, page], want, atol=tol, rtol=0, err_msg=f"seed={seed} page {page}")
     runner.close()
     assert set(eng.kv.seqs) == sid_before
 
 
 def test_quest_score_is_upper_bound():
-    rng = np.random.default_rng(4)
+    seed = 4
+    rng = np.random.default_rng(seed)
     keys = jnp.asarray(rng.normal(size=(3, 8, 16)).astype(np.float32))  # 3 pages of 8 keys
     q = jnp.asarray(rng.normal(size=(1, 1, 1, 16)).astype(np.float32))
     dig = page_digest("minmax", keys, jnp.full((3,), 8))[None, None]  # [1, 1, 3, 2, 16]
     bound = np.asarray(page_scores("minmax", q, dig))[0, 0]
     exact = np.asarray(jnp.einsum("psd,d->ps", keys, q[0, 0, 0])).max(-1)
-    assert np.all(bound >= exact - 1e-5)
+    # Both sides are sums of 16 products, each rounded its own way.
+    tol = float_tolerance(depth=1, terms=16, magnitude=float(np.abs(q).sum() * np.abs(keys).max()))
+    assert np.all(bound >= exact - tol), f"seed={seed}: exact exceeds the bound by {(exact - bound).max():.3g} > {tol:.3g}"
 
 
 def test_selection_is_exact_top_k():
@@ -170,7 +180,9 @@ def test_top_p_one_is_the_fixed_budget_and_a_lower_p_reads_less():
     fixed = _engine(model, base).generate(prompt, params, return_logits=True)
     one = _engine(model, dict(base, budget_mode="topp", top_p=1.0)).generate(prompt, params, return_logits=True)
     assert one.tokens == fixed.tokens, f"seed={seed}"
-    np.testing.assert_allclose(one.logits[0], fixed.logits[0], atol=1e-6, rtol=0, err_msg=f"seed={seed}")
+    # The same pages, read by another program (the top-p one): its sums may round in another order.
+    tol = logits_tolerance(cfg, context=150 + 6, reference=fixed.logits[0])
+    np.testing.assert_allclose(one.logits[0], fixed.logits[0], atol=tol, rtol=0, err_msg=f"seed={seed}")
     assert one.stats["pages_selected"] == fixed.stats["pages_selected"]
     low = _engine(model, dict(base, budget_mode="topp", top_p=0.3)).generate(prompt, params)
     assert low.stats["pages_selected"] < fixed.stats["pages_selected"], (seed, low.stats, fixed.stats)
@@ -207,7 +219,8 @@ def test_sparse_needs_paged_cache():
 def test_engine_pallas_sparse_matches_xla_sparse(platform):
     """The sparse Pallas kernel (interpret mode; the TPU kernel, the CPU default, and the GPU
     one) and the XLA sparse path agree inside the engine."""
-    rng = np.random.default_rng(6)
+    seed = 6
+    rng = np.random.default_rng(seed)
     cfg = tiny_config("gemma2")
     model = random_model(cfg, int(rng.integers(100)))
     prompts = random_prompts(rng, cfg.vocab_size, (50, 23))
@@ -215,9 +228,10 @@ def test_engine_pallas_sparse_matches_xla_sparse(platform):
     sparse = dict(enabled=True, budget=32, sink_pages=1, local_pages=2)
     outs = [_engine(model, sparse, attention_impl=impl, kernel_platform=platform).generate(
         prompts, params, return_logits=True) for impl in ("xla", "pallas")]
-    assert outs[0].tokens == outs[1].tokens
-    for a, b in zip(outs[0].logits, outs[1].logits):
-        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+    assert outs[0].tokens == outs[1].tokens, f"seed={seed}"
+    for a, b in zip(outs[0].logits, outs[1].logits):  # the kernel's softmax sums in its own order, per layer
+        tol = logits_tolerance(cfg, context=50 + 4, reference=b)
+        np.testing.assert_allclose(a, b, atol=tol, rtol=0, err_msg=f"seed={seed}")
     assert outs[0].stats["pages_selected"] == outs[1].stats["pages_selected"]
 
 
@@ -246,7 +260,8 @@ def test_page_shift_equals_keys_roped_at_the_new_position():
     from gemini_jax.attention.sparse import sparse_attention
     from gemini_jax.model import layers as L
 
-    rng = np.random.default_rng(8)
+    seed = 8
+    rng = np.random.default_rng(seed)
     B, K, G, D, S, P = 1, 2, 2, 16, 4, 9
     inv = L.inv_frequencies(gj.RopeConfig(theta=10000.0), D)
     k0 = rng.standard_normal((K, P, S, D)).astype(np.float32)  # un-roped keys, page p at positions p*S..
@@ -275,10 +290,13 @@ def test_page_shift_equals_keys_roped_at_the_new_position():
     moved[1], moved[5] = 7, 7
     want = sparse_attention((q, jnp.asarray(qpos)), (jnp.asarray(rope_keys(moved)), jnp.asarray(v)),
                             PageView(bt, lengths), Selection(jnp.asarray(sel)), **kw)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
+    # Two rotations against one (an angle p * f rounds in proportion to p: up to P * S), then attention.
+    tol = float_tolerance(depth=3, terms=P * S, magnitude=np.abs(np.asarray(want)).max())
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=tol, rtol=0, err_msg=f"seed={seed}")
     plain = sparse_attention((q, jnp.asarray(qpos)), (jnp.asarray(rope_keys(np.arange(P))), jnp.asarray(v)),
                              PageView(bt, lengths), Selection(jnp.asarray(sel)), **kw)
-    assert np.max(np.abs(np.asarray(plain) - np.asarray(want))) > 1e-3  # the shift matters
+    moved_by = np.max(np.abs(np.asarray(plain) - np.asarray(want)))
+    assert moved_by > 100 * tol, f"seed={seed}: the shift moved the output by {moved_by:.3g} only"  # it matters
 
 
 def test_compact_positions_refused_for_two_rope_families():
@@ -346,7 +364,8 @@ def test_score_distance_digests_hold_unroped_keys_and_bound_scores_at_that_dista
     from gemini_jax.model import layers as L
     from gemini_jax.runtime import PagedRunner, new_stats
 
-    rng = np.random.default_rng(11)
+    seed = 11
+    rng = np.random.default_rng(seed)
     cfg = tiny_config("llama")
     d = int(rng.integers(8, 60))
     sparse = dict(enabled=True, budget=32, positions="compact", score_distance=d, sparse_prefill=True)
@@ -363,8 +382,10 @@ def test_score_distance_digests_hold_unroped_keys_and_bound_scores_at_that_dista
         cos, sin = L.rope_angles(-jnp.arange(i * 8, i * 8 + count)[None], inv)  # [1, count, D]
         keys = np.asarray(L.rotate(jnp.asarray(k[:, :, page, :count]), cos[0], sin[0]))  # [L, K, count, D]
         raw.append(keys)
-        np.testing.assert_allclose(dig[:, :, page, 0], keys.min(2), atol=1e-5)
-        np.testing.assert_allclose(dig[:, :, page, 1], keys.max(2), atol=1e-5)
+        # Keys turned back by rope here and in the engine: one rotation (two products and a sum) each.
+        tol = float_tolerance(depth=2, terms=2, magnitude=np.abs(keys).max())
+        np.testing.assert_allclose(dig[:, :, page, 0], keys.min(2), atol=tol, rtol=0, err_msg=f"seed={seed} page {page}")
+        np.testing.assert_allclose(dig[:, :, page, 1], keys.max(2), atol=tol, rtol=0, err_msg=f"seed={seed} page {page}")
     # Scores: an upper bound of q . (key roped at p - d), per page, for a random query at p.
     p = seq.num_tokens - 1
     q = rng.normal(size=(1, 1, cfg.num_heads, cfg.head_dim)).astype(np.float32)
@@ -379,9 +400,12 @@ def test_score_distance_digests_hold_unroped_keys_and_bound_scores_at_that_dista
     for i, keys in enumerate(raw):
         ck, sk = L.rope_angles(jnp.full((1, keys.shape[2]), p - d), inv)
         k_at = np.asarray(L.rotate(jnp.asarray(keys[0]), ck, sk))  # [K, count, D] roped at p - d
+        # Either side: rotations of q and of the keys (rounding in turn), then a sum of head_dim products.
+        tol = float_tolerance(depth=4, terms=cfg.head_dim,
+                              magnitude=float(np.abs(q_roped).sum(-1).max() * np.abs(k_at).max()))
         for h in range(cfg.num_kv_heads):
             exact = max(float((k_at[h] @ q_roped[h * G + g]).max()) for g in range(G))
-            assert bound[h, i] >= exact - 1e-4, (h, i)
+            assert bound[h, i] >= exact - tol, f"seed={seed} head {h} page {i}: {exact - bound[h, i]:.3g} > {tol:.3g}"
     # select_step turns the query the same way: its top page is the top-bound page (after the forced ones).
     sel = np.asarray(select_step(sp, jnp.asarray(dig[0]), (jnp.asarray(q), jnp.asarray([[p]], jnp.int32)),
                                  PageView(table, jnp.asarray([p + 1])), block_size=8, inv_freq=inv))[0]

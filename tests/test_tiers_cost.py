@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 
 from gemini_jax.config import HardwareConfig
 from gemini_jax.errors import ConfigError
+from gemini_jax.testing import float_tolerance
 from gemini_jax.tiers import RunCounters, measure_disk, project, project_all
 from gemini_jax.tiers.cost_model import COLD_FETCH_BUDGET_S
 
@@ -51,8 +52,11 @@ def test_step_time_never_grows_with_bandwidth(field, lo, factor, hits):
     r = run(prefetch_hits=hits, prefetch_misses=60 - hits)
     slow = project(r, hw(**{field: lo * scale}))
     fast = project(r, hw(**{field: lo * scale * factor}))
-    assert fast["projected_step_seconds"] <= slow["projected_step_seconds"] * (1 + 1e-12)
-    assert fast["projected_cold_fetch_seconds"] <= slow["projected_cold_fetch_seconds"] * (1 + 1e-12)
+    # Monotone in exact arithmetic; in float64 the step's max(0, hit * transfer - device) then + device
+    # may round up: a few roundings of the step's size after the changed figure.
+    rel = float_tolerance(dtype="float64", depth=4, magnitude=1.0)
+    assert fast["projected_step_seconds"] <= slow["projected_step_seconds"] * (1 + rel)
+    assert fast["projected_cold_fetch_seconds"] <= slow["projected_cold_fetch_seconds"] * (1 + rel)
 
 
 def test_prefetch_hides_transfers_up_to_device_time():

@@ -10,7 +10,7 @@ import gemini_jax as gj
 from gemini_jax.config import CacheConfig, EngineConfig, HardwareConfig, SamplingParams, SparseConfig
 from gemini_jax.errors import ConfigError
 from gemini_jax.tiers.emulate import cap_engine, min_device_fraction, proportions
-from gemini_jax.testing import random_model, random_prompts, tiny_config
+from gemini_jax.testing import logits_tolerance, random_model, random_prompts, tiny_config
 
 REF = gj.ModelConfig(family="llama", vocab_size=1000, hidden_size=256, intermediate_size=512, num_layers=4,
                      num_heads=4, num_kv_heads=2, head_dim=64)
@@ -76,7 +76,8 @@ def test_emulated_run_is_exact_and_moves_pages(tmp_path, size):
     max_seq_len, lengths, new_tokens = size
     cfg = tiny_config("llama")
     model = random_model(cfg, 3)
-    rng = np.random.default_rng(1)
+    seed = 1
+    rng = np.random.default_rng(seed)
     prompt = random_prompts(rng, cfg.vocab_size, [int(rng.integers(*lengths))])[0]
     e = _sparse_engine(max_seq_len)
     p = proportions(_hw(device_memory_gb=0.6, host_memory_gb=1.0), REF, 4_000_000)
@@ -85,7 +86,9 @@ def test_emulated_run_is_exact_and_moves_pages(tmp_path, size):
     ref = gj.Engine(model, e).generate(prompt, greedy, return_logits=True)
     with gj.Engine(model, capped) as eng:
         out = eng.generate(prompt, greedy, return_logits=True)
-    assert out.tokens == ref.tokens
-    np.testing.assert_allclose(np.asarray(out.logits), np.asarray(ref.logits), atol=1e-5, rtol=0)
+    assert out.tokens == ref.tokens, f"seed={seed}"
+    # The contract (README, tiers): within 1e-5 of the all-resident engine; the float bound where tighter.
+    tol = min(1e-5, logits_tolerance(cfg, context=len(prompt) + new_tokens, reference=ref.logits))
+    np.testing.assert_allclose(np.asarray(out.logits), np.asarray(ref.logits), atol=tol, rtol=0, err_msg=f"seed={seed}")
     assert out.stats["pages_fetched_host"] + out.stats["pages_fetched_disk"] > 0
     assert out.stats["pages_fetched_disk"] > 0  # the host bound is small enough that pages reach the disk

@@ -13,7 +13,7 @@ from gemini_jax.config import CacheConfig, EngineConfig, SamplingParams, SparseC
 from gemini_jax.errors import ConfigError, IntegrityError
 from gemini_jax import tiny
 from gemini_jax.data import corpus
-from gemini_jax.testing import random_model, random_prompts, tiny_config
+from gemini_jax.testing import logits_tolerance, random_model, random_prompts, tiny_config
 
 BUDGETS = (1.0, 0.5, 0.25, 0.1)
 DEPTHS = (0, 1, 2, 4)
@@ -23,6 +23,16 @@ CORNERS = ((1.0, 0), (0.1, 0), (0.1, 2))
 GRIDS = [pytest.param(tuple((f, d) for f in BUDGETS for d in DEPTHS), marks=pytest.mark.slow, id="every"),
          pytest.param(CORNERS, id="corners")]
 GREEDY = SamplingParams(max_new_tokens=20, temperature=0.0)
+
+
+# The contract (README, tiers): logits over tiers within 1e-5 of the all-resident engine's.
+CONTRACT = 1e-5
+
+
+def tiered_bound(cfg, prompts, ref_logits) -> float:
+    """The float bound of logits over tiers vs all-resident: the tiered programs sum attention over
+    the context in their own order, layer after layer. The tests hold logits to min(CONTRACT, this)."""
+    return logits_tolerance(cfg, context=max(map(len, prompts)) + GREEDY.max_new_tokens, reference=ref_logits)
 
 
 def _base(sparse: bool, **over):
@@ -58,9 +68,11 @@ def test_budgets_and_prefetch_depths_keep_the_numbers(case, grid):
             out = eng.generate(prompts, GREEDY, return_logits=True)
         where = f"device_fraction={frac}, prefetch_depth={depth}, seed={CASE_SEED}"
         assert out.tokens == ref.tokens, where
+        # The layer-by-layer program rounds differently from the scanned one (f32 ulps): held to the
+        # contract, 1e-5 of the all-resident engine, or the float bound where that is tighter.
+        tol = min(CONTRACT, tiered_bound(model.cfg, prompts, ref.logits))
         for a, b in zip(out.logits, ref.logits):
-            # The layer-by-layer program rounds differently from the scanned one (f32 ulps).
-            np.testing.assert_allclose(a, b, atol=1e-5, rtol=0, err_msg=where)
+            np.testing.assert_allclose(a, b, atol=tol, rtol=0, err_msg=where)
         fetched[frac, depth] = {**out.stats, "fused": eng.tier_stats()["fused_decode_steps"]}
     # Sparse decode steps run as one device program where one layer's selection fits the slots.
     if sparse:
@@ -110,15 +122,17 @@ def _disk_engine(model, tmp_path, **tier):
 
 
 def test_disk_tier_exact_and_counted(tmp_path):
+    seed = 1
     cfg = tiny_config("qwen3")
     model = random_model(cfg, 5)
-    prompts = random_prompts(np.random.default_rng(1), cfg.vocab_size, [230])
+    prompts = random_prompts(np.random.default_rng(seed), cfg.vocab_size, [230])
     ref = gj.Engine(model, EngineConfig(**_base(True))).generate(prompts, GREEDY, return_logits=True)
     with _disk_engine(model, tmp_path) as eng:
         out = eng.generate(prompts, GREEDY, return_logits=True)
         ts = eng.tier_stats()
-    assert out.tokens == ref.tokens
-    np.testing.assert_allclose(out.logits[0], ref.logits[0], atol=1e-5, rtol=0)
+    assert out.tokens == ref.tokens, f"seed={seed}"
+    np.testing.assert_allclose(out.logits[0], ref.logits[0], rtol=0,
+                               atol=min(CONTRACT, tiered_bound(cfg, prompts, ref.logits)), err_msg=f"seed={seed}")
     assert out.stats["pages_fetched_disk"] > 0, out.stats
     assert ts["disk_pages_written"] > 0 and ts["kv_bytes_disk"] > 0
     assert ts["host_pages"] <= 8
@@ -217,9 +231,10 @@ def test_too_small_budget_is_cache_exhausted_not_wrong():
 # CI runs distance 0; a scored distance over tiers, layer by layer, is the fused test's `(2, False)` step.
 @pytest.mark.parametrize("distance", [0, pytest.param(24, marks=pytest.mark.slow)])
 def test_compact_positions_over_tiers_match_all_resident(distance):
+    seed = 4
     cfg = tiny_config("qwen2")
     model = random_model(cfg, 8)
-    prompts = random_prompts(np.random.default_rng(4), cfg.vocab_size, [210, 170])
+    prompts = random_prompts(np.random.default_rng(seed), cfg.vocab_size, [210, 170])
     sp = SparseConfig(enabled=True, budget=48, sink_pages=1, local_pages=1, positions="compact",
                       sparse_prefill=True, score_queries=8, score_distance=distance)
     base = dict(_base(True), sparse=sp)
@@ -227,9 +242,10 @@ def test_compact_positions_over_tiers_match_all_resident(distance):
     tier = TierConfig(enabled=True, device_fraction=0.1, prefetch_depth=2, hot_threshold=0)
     with gj.Engine(model, EngineConfig(**base, tier=tier)) as eng:
         out = eng.generate(prompts, GREEDY, return_logits=True)
-    assert out.tokens == ref.tokens
+    assert out.tokens == ref.tokens, f"seed={seed}"
+    tol = min(CONTRACT, tiered_bound(cfg, prompts, ref.logits))
     for a, b in zip(out.logits, ref.logits):
-        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+        np.testing.assert_allclose(a, b, atol=tol, rtol=0, err_msg=f"seed={seed}")
     assert out.stats["pages_fetched_host"] > 0
 
 
@@ -254,7 +270,8 @@ def test_fused_decode_steps_bring_missing_pages_exactly(family, positions, dista
     the layer-by-layer path's — for prefetch depths 0 and 2 (gemma2: sliding windows, soft caps)."""
     cfg = tiny_config(family)
     model = random_model(cfg, 21)
-    rng = np.random.default_rng(5)
+    seed = 5
+    rng = np.random.default_rng(seed)
     prompts = random_prompts(rng, cfg.vocab_size, [int(rng.integers(330, 420))])
     base = _fused_base(positions=positions, score_distance=distance)
     ref = gj.Engine(model, EngineConfig(**base)).generate(prompts, GREEDY, return_logits=True)
@@ -263,9 +280,10 @@ def test_fused_decode_steps_bring_missing_pages_exactly(family, positions, dista
         with gj.Engine(model, EngineConfig(**base, tier=tier)) as eng:
             out = eng.generate(prompts, GREEDY, return_logits=True)
             ts = eng.tier_stats()
-        where = f"depth={depth}, fused={fused}"
+        where = f"depth={depth}, fused={fused}, seed={seed}"
         assert out.tokens == ref.tokens, where
-        np.testing.assert_allclose(out.logits[0], ref.logits[0], atol=1e-5, rtol=0, err_msg=where)
+        np.testing.assert_allclose(out.logits[0], ref.logits[0], rtol=0,
+                                   atol=min(CONTRACT, tiered_bound(cfg, prompts, ref.logits)), err_msg=where)
         # Every decode step ran as one program (one layer's selection fits the 24 slots).
         assert ts["fused_decode_steps"] == (out.stats["decode_steps"] if fused else 0), where
         assert out.stats["pages_fetched_host"] > 0 and ts["device_evictions"] > 0, where
@@ -299,7 +317,8 @@ def test_fused_decode_raises_integrity_error_for_a_corrupt_page(tmp_path):
 def test_selection_edit_hook_replaces_the_selection():
     """The research hook: an identity edit keeps the numbers (and runs decode layer by layer); an
     edit that forces a page in is what the attention reads (the log shows it, the logits move)."""
-    rng = np.random.default_rng(7)
+    seed = 7
+    rng = np.random.default_rng(seed)
     cfg = tiny_config("llama")
     model = random_model(cfg, int(rng.integers(100)))
     prompt = random_prompts(rng, cfg.vocab_size, [int(rng.integers(150, 250))])
@@ -321,7 +340,8 @@ def test_selection_edit_hook_replaces_the_selection():
         same = eng.generate(prompt, params, return_logits=True)
         assert eng.tier_stats()["fused_decode_steps"] == 0
     assert any(seen) and not all(seen)  # prompt calls and decode steps both went through it
-    np.testing.assert_allclose(same.logits[0], plain.logits[0], atol=1e-5, rtol=0)
+    tol = min(CONTRACT, tiered_bound(cfg, prompt, plain.logits))  # layer by layer vs the one-program step
+    np.testing.assert_allclose(same.logits[0], plain.logits[0], atol=tol, rtol=0, err_msg=f"seed={seed}")
 
     with gj.Engine(model, ecfg) as eng:
         log = eng.store.selection_log = []
@@ -330,4 +350,5 @@ def test_selection_edit_hook_replaces_the_selection():
         forced = eng.generate(prompt, params, return_logits=True)
     rows = [r["selected"] for r in log if r["decode"]]
     assert rows and all(np.all(r[..., 1] == 2) for r in rows)
-    assert np.abs(forced.logits[0][1:] - plain.logits[0][1:]).max() > 1e-4
+    moved_by = np.abs(forced.logits[0][1:] - plain.logits[0][1:]).max()
+    assert moved_by > 10 * tol, f"seed={seed}: the forced page moved the logits by {moved_by:.3g} only"

@@ -247,7 +247,7 @@ def test_a_new_engine_loads_a_stored_prefix_instead_of_prefilling(tmp_path, tier
     """int8: pages go to disk packed with their scales, and a store of another KV dtype never matches."""
     import gemini_jax as gj
     from gemini_jax.config import SamplingParams
-    from gemini_jax.testing import random_model, random_prompts, tiny_config
+    from gemini_jax.testing import logits_tolerance, random_model, random_prompts, tiny_config
 
     cfg = tiny_config("llama")
     model = random_model(cfg, SEED)
@@ -264,7 +264,9 @@ def test_a_new_engine_loads_a_stored_prefix_instead_of_prefilling(tmp_path, tier
     assert warm.stats["prefill_tokens_reused"] == (len(prompt) - 1) // 32 * 32, where
     assert warm.stats["prefill_tokens_computed"] <= 32, where
     assert warm.tokens == cold.tokens, where
-    np.testing.assert_allclose(warm.logits, cold.logits, atol=1e-5, rtol=0, err_msg=where)
+    # The same stored pages; the last chunk attends over them in another program (loaded vs computed).
+    tol = logits_tolerance(cfg, context=len(prompt) + 6, reference=cold.logits)
+    np.testing.assert_allclose(warm.logits, cold.logits, atol=tol, rtol=0, err_msg=where)
     if dtype is not None:  # the same layout in float32: another store
         with gj.Engine(model, _engine_cfg(tmp_path, tiers=tiers, sparse=sparse)) as eng:
             assert eng.generate(prompt, params).stats["prefill_tokens_reused"] == 0, where

@@ -22,6 +22,7 @@ from safetensors.numpy import load_file, save_file
 from gemini_jax.config import ModelConfig, RopeConfig, replace
 from gemini_jax.errors import CheckpointError, ConfigError
 from gemini_jax.model import Decoder
+from gemini_jax.testing import float_tolerance
 from gemini_jax.weights import (decoder_from_arrays, load_hf, load_safetensors, model_arrays,
                                 model_config_from_hf, param_specs, save_safetensors)
 from gemini_jax.weights.hf_config import FAMILY_DEFAULTS
@@ -29,10 +30,14 @@ from gemini_jax.weights.hf_config import FAMILY_DEFAULTS
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-TOL = 1e-4
 SIZES = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
              num_attention_heads=4, num_key_value_heads=2, head_dim=16)
 LENGTHS = (5, 21)  # 21 > every sliding window below (8)
+TOL = 1e-4  # the contract (README, exactness table: hf): max |ours - transformers| / max |transformers|
+# The float bound of that relative error: two float32 implementations of the same layers, each layer's
+# longest reduction (the widest matmul) summed in another order. It must sit below the contract.
+REL_BOUND = float_tolerance(depth=SIZES["num_hidden_layers"], terms=SIZES["intermediate_size"], magnitude=1.0)
+assert REL_BOUND <= TOL, (REL_BOUND, TOL)
 LLAMA3 = dict(rope_type="llama3", rope_theta=500000.0, factor=4.0, low_freq_factor=1.0,
               high_freq_factor=4.0, original_max_position_embeddings=16)
 NO_WINDOWS = dict(layer_windows=(0, 0, 0))
@@ -112,7 +117,7 @@ def test_hf_parity(family, tmp_path):
         tokens = _tokens(batch, length, seed=length)
         refs[length] = (tokens, _theirs(hf, tokens))
         err = _rel_err(_ours(model, tokens), refs[length][1])
-        assert err <= TOL, f"{family} T={length}: rel err {err:.2e}"
+        assert err <= REL_BOUND, f"{family} T={length} seed={length}: rel err {err:.2e} > {REL_BOUND:.2e}"
 
     _greedy_32_matches_transformers(family, hf, model)
 
@@ -120,7 +125,7 @@ def test_hf_parity(family, tmp_path):
     tokens, ref = refs[LENGTHS[-1]]
     for change in mutations:
         mutated = decoder_from_arrays(replace(model.cfg, **change), model_arrays(model))
-        assert _rel_err(_ours(mutated, tokens), ref) > 1e-3, f"{family}: {change} did not matter"
+        assert _rel_err(_ours(mutated, tokens), ref) > 10 * TOL, f"{family}: {change} did not matter"
 
 
 def _greedy_32_matches_transformers(family, hf, model):
@@ -139,13 +144,15 @@ def _greedy_32_matches_transformers(family, hf, model):
                              eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
     ref = _theirs(hf, np.asarray([list(prompt) + ours]))[0, len(prompt) - 1:-1]
     chosen = ref[np.arange(32), ours]
-    assert np.all(ref.max(-1) - chosen <= 1e-4 * np.abs(ref).max()), f"{family}: not greedy under HF logits"
+    # Our logits sit within REL_BOUND of transformers': two of them that close may swap (twice the bound).
+    tol = 2 * REL_BOUND * np.abs(ref).max()
+    assert np.all(ref.max(-1) - chosen <= tol), f"{family} seed=0: not greedy under HF logits"
     if ours != theirs:
         # transformers' generate may itself depart from its forward pass (Gemma 2's hybrid cache
         # computes the step differently); only where its tokens are greedy under its own forward
         # logits is it a reference our tokens must equal (up to near-ties).
         ref_t = _theirs(hf, np.asarray([list(prompt) + theirs]))[0, len(prompt) - 1:-1]
-        tol = 1e-4 * np.abs(ref_t).max()
+        tol = 2 * REL_BOUND * np.abs(ref_t).max()
         consistent = np.all(ref_t.max(-1) - ref_t[np.arange(32), theirs] <= tol)
         if consistent:
             first = next(i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b)
@@ -178,7 +185,8 @@ def test_gemma3_multimodal_checkpoint_loads_text_decoder(tmp_path):
     model = load_hf(tmp_path)  # vision tower and projector tensors are skipped
     assert model.cfg.tie_embeddings and model.cfg.layer_windows == (4, 4)
     tokens = _tokens(1, 11, seed=3)
-    assert _rel_err(_ours(model, tokens), _theirs(hf, tokens)) <= TOL
+    err = _rel_err(_ours(model, tokens), _theirs(hf, tokens))
+    assert err <= REL_BOUND, f"seed=3: rel err {err:.2e} > {REL_BOUND:.2e}"
 
 
 def test_dtypes_bf16_checkpoint_and_bf16_load(tmp_path):
@@ -195,7 +203,10 @@ def test_dtypes_bf16_checkpoint_and_bf16_load(tmp_path):
     half = load_hf(tmp_path / "f32", dtype="bfloat16")
     assert half.cfg.dtype == "bfloat16" and half.layers.wq[...].dtype == jnp.bfloat16
     tokens = _tokens(1, 9, seed=4)
-    assert _rel_err(_ours(half, tokens), _ours(f32, tokens)) < 5e-2
+    # Each value rounds once to bfloat16 per step (the sums accumulate in float32): eps of bfloat16 per layer.
+    tol = float_tolerance(dtype="bfloat16", depth=SIZES["num_hidden_layers"], magnitude=1.0)
+    err = _rel_err(_ours(half, tokens), _ours(f32, tokens))
+    assert err <= tol, f"seed=4: bf16 vs f32 rel err {err:.3g} > {tol:.3g}"
 
 
 # ---------------------------------------------------------------- config mapping
