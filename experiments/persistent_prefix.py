@@ -59,7 +59,7 @@ with gj.Engine(model, ec) as eng:
     t0 = time.perf_counter()
     out = eng.generate(prompt, SamplingParams(max_new_tokens=1, temperature=0.0), return_logits=True)
     ttft = time.perf_counter() - t0
-    stored = 0 if eng.prefixes is None else len(eng.prefixes)
+    stored = eng.stored_prefixes
 np.save(args["logits"], np.asarray(out.logits[0][0], np.float32))
 print(json.dumps({"ttft_seconds": ttft, "prefill_tokens_reused": int(out.stats["prefill_tokens_reused"]),
                   "prefill_tokens_computed": int(out.stats["prefill_tokens_computed"]), "pages_stored": stored,

@@ -14,6 +14,7 @@ from gemini_jax.engine import COUNTERS, Engine, GenerateOutput
 from gemini_jax.model import Decoder, forward
 from gemini_jax.encoders.prompt import Image, Prompt
 from gemini_jax.tokenizer import ByteTokenizer, GGUFTokenizer, HFTokenizer
+from gemini_jax.tiers.observe import SelectionObserver
 
 Model = Decoder
 
@@ -75,7 +76,7 @@ def load_tiny() -> Decoder:
 
 
 __all__ = [
-    "COUNTERS", "ByteTokenizer", "Decoder", "Engine", "EngineConfig", "GGUFTokenizer", "GenerateOutput", "HFTokenizer",
+    "COUNTERS", "ByteTokenizer", "Decoder", "Engine", "EngineConfig", "GGUFTokenizer", "GenerateOutput", "HFTokenizer", "SelectionObserver",
     "Image", "Model", "ModelConfig", "Prompt", "RopeConfig", "SamplingParams", "errors", "forward", "list_encoders",
     "list_pretrained", "load_encoder", "load_gguf", "load_hf", "load_pretrained", "load_tiny", "pretrained_path",
 ]

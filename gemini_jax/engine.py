@@ -30,13 +30,12 @@ from gemini_jax.config import EngineConfig, SamplingParams
 from gemini_jax.errors import ConfigError, ContextLengthError
 from gemini_jax.model import Decoder, validate_tokens
 from gemini_jax.encoders.prompt import Prompt, check_encoders
-from gemini_jax.runtime import COUNTERS, RunContext, aligned, make_runner, new_stats
-from gemini_jax.runtime.multistep import LoopInputs, LoopSpec
+from gemini_jax.runtime import COUNTERS, RunContext, aligned, driver, make_runner, new_stats
+from gemini_jax.runtime.sequences import SequenceCache
 from gemini_jax.runtime.soft import SoftTable
-from gemini_jax.sampling import sample_with
 from gemini_jax.session import Session, audit, restore_session
 from gemini_jax.session.snapshot import fingerprint
-from gemini_jax.tiers import PageSpec, TieredStore
+from gemini_jax.tiers import PageSpec, SelectionObserver, TieredStore
 from gemini_jax.tiers.prefix_store import PrefixStore, fingerprint_id
 from gemini_jax.weights import params_sha256
 
@@ -58,7 +57,10 @@ class GenerateOutput:
 class Engine:
     """Runs a `Decoder` with a KV cache. `generate` takes one prompt or a list of prompts."""
 
-    def __init__(self, model: Decoder, config: EngineConfig | None = None):
+    def __init__(self, model: Decoder, config: EngineConfig | None = None, *,
+                 observer: SelectionObserver | None = None):
+        """`observer`: research hooks on sparse selection (`gj.SelectionObserver`: record every
+        selection, or edit it before pages are read); they run on the tiered store only."""
         self.model = model
         self.model_cfg = model.cfg
         self.config = config or EngineConfig()
@@ -81,8 +83,13 @@ class Engine:
             # Built for its config checks too (compact positions refuse a second rope).
             backend = paged_backend(model.cfg, self.config.attention_impl, self.config.sparse,
                                     kernel_platform=self.config.kernel_platform)
-            store_cls = TieredStore if self.config.tier.enabled else PooledStore
-            self.store = store_cls(model.cfg, self._store_config(), self.cache_dtype, mesh)
+            if self.config.tier.enabled:
+                self.store = TieredStore(model.cfg, self._store_config(), self.cache_dtype, mesh, observer=observer)
+            else:
+                if observer is not None:
+                    raise ConfigError("a selection observer runs on the tiered store (tier.enabled=true, "
+                                      "e.g. tier.device_fraction=1.0): the all-resident step selects on device.")
+                self.store = PooledStore(model.cfg, self._store_config(), self.cache_dtype, mesh)
         else:
             backend = contiguous_backend(model.cfg)
         forward = functools.partial(_run, graphdef, backend)
@@ -94,6 +101,24 @@ class Engine:
         if self.config.tier.persistent:
             self.prefixes = self._open_prefixes()
             self.ctx = dataclasses.replace(self.ctx, prefixes=self.prefixes)
+        # What sessions, the scheduler, snapshots and benchmarks use to hold sequences (None: contiguous).
+        self.sequences = SequenceCache(self.ctx) if self.kv is not None else None
+
+    def runner(self, batch: int, stats=None):
+        """A runner over this engine's cache for `batch` rows (`gemini_jax.runtime`): prefill,
+        decode, k-step decode; the engine's own counters unless `stats` is given. Close it after."""
+        return make_runner(self.ctx, batch, self.stats if stats is None else stats)
+
+    @property
+    def stored_prefixes(self) -> int:
+        """Pages held by the persistent prefix store (0 without `tier.persistent`)."""
+        return 0 if self.prefixes is None else len(self.prefixes)
+
+    def set_link(self, link) -> None:
+        """Emulate `link` (a `gj.tiers` link model, None: real transfers) on the tiers from now on."""
+        if not self.config.tier.enabled:
+            raise ConfigError("set_link: the engine has no tiers (tier.enabled=false).")
+        self.store.set_link(link)
 
     @property
     def mesh(self):
@@ -303,13 +328,11 @@ class Engine:
             secs["prefill"] += time.perf_counter() - t0
 
             t0 = time.perf_counter()
-            rows = DecodeRows(sample_ids=np.arange(first_seq_id, first_seq_id + B),
-                              lengths=np.array([len(p) for p in prompts], np.int32),
-                              out=[[] for _ in range(B)], out_logits=[[] for _ in range(B)], done=np.zeros(B, bool))
-            if params.max_new_tokens > 0:
-                multi = self.config.decode_steps_per_call > 1 and runner.multistep
-                decode = self._decode_calls if multi else self._decode_steps
-                logits = decode(runner, logits, rows, params, stats, return_logits, forced)
+            rows = driver.DecodeRows.start(np.arange(first_seq_id, first_seq_id + B), [len(p) for p in prompts])
+            req = driver.DecodeRequest(params=params, eos_id=cfg.eos_id, num_layers=cfg.num_layers,
+                                       return_logits=return_logits, forced=forced,
+                                       steps_per_call=self.config.decode_steps_per_call)
+            logits = driver.decode(runner, logits, rows, req, stats)
             jax.block_until_ready(logits)
             secs["decode"] += time.perf_counter() - t0
         finally:
@@ -317,82 +340,6 @@ class Engine:
         out, out_logits = rows.out, rows.out_logits
         lg = [np.stack(x) if x else np.zeros((0, cfg.vocab_size), np.float32) for x in out_logits]
         return out, lg
-
-    def _decode_steps(self, runner, logits, rows: "DecodeRows", params, stats, return_logits, forced):
-        """The decode loop one jitted step per token (`decode_steps_per_call=1`, the tiered runner)."""
-        cfg = self.model_cfg
-        B = len(rows.out)
-        eos = cfg.eos_id if params.stop_at_eos else None
-        lengths = rows.lengths
-        for i in range(params.max_new_tokens):
-            if forced is not None:
-                nxt = np.array([f[i] for f in forced], np.int32)
-            else:
-                nxt = np.asarray(sample_with(params, logits, rows.sample_ids, lengths))
-            rows.keep(nxt[:, None], np.asarray(logits)[:, None] if return_logits else None, eos)
-            if rows.done.all() or i == params.max_new_tokens - 1:
-                break
-            logits = runner.decode(nxt, lengths)
-            lengths = lengths + 1  # a new array: the runner may still read the old one (async)
-            stats.decode_steps += 1
-            stats.compute_units += B * cfg.num_layers
-        return logits
-
-    def _decode_calls(self, runner, logits, rows: "DecodeRows", params, stats, return_logits, forced):
-        """The decode loop in programs of up to `decode_steps_per_call` tokens (`runtime.multistep`):
-        the same tokens, logits and counters as one step per token, the host once per call."""
-        cfg = self.model_cfg
-        B, N = len(rows.out), params.max_new_tokens
-        forced = None if forced is None else np.stack([np.asarray(f, np.int32) for f in forced])
-        eos = cfg.eos_id if params.stop_at_eos else None
-        first = forced[:, 0] if forced is not None else np.asarray(sample_with(params, logits, rows.sample_ids,
-                                                                               rows.lengths))
-        rows.keep(first[:, None], np.asarray(logits)[:, None] if return_logits else None, eos)
-        spec = LoopSpec.of(params, self.config.decode_steps_per_call, cfg.eos_id, keep_logits=return_logits,
-                           forced=forced is not None)
-        key = jax.random.key(params.seed)
-        ids = jnp.asarray(rows.sample_ids, jnp.uint32)
-        tok, lengths, made = first, rows.lengths, 1
-        while made < N and not rows.done.all():
-            n = min(spec.k, N - made)
-            window = None
-            if forced is not None:  # the tokens after the ones written, padded to the loop's length
-                window = np.zeros((B, spec.k), np.int32)
-                window[:, :n] = forced[:, made:made + n]
-            res = runner.decode_many(LoopInputs(tok, lengths, ids, key, rows.done.copy(), np.int32(n), window), spec)
-            rows.keep(res.tokens, res.logits, eos)
-            stats.decode_steps += res.steps
-            stats.compute_units += B * cfg.num_layers * res.steps
-            tok, lengths, made = res.tokens[:, -1], lengths + res.steps, made + res.steps
-            logits = res.last_logits
-        return logits
-
-
-@dataclass
-class DecodeRows:
-    """What a group's decode keeps per row: sampling stream, length, tokens (and logits) kept,
-    and whether the row is done (EOS)."""
-
-    sample_ids: np.ndarray
-    lengths: np.ndarray
-    out: list
-    out_logits: list
-    done: np.ndarray
-
-    def keep(self, tokens: np.ndarray, logits: Optional[np.ndarray], eos: Optional[int]) -> None:
-        """Append tokens i32[B, n] (and their logits f32[B, n, V]) to the rows not yet done, each
-        up to and including its first EOS."""
-        for b in np.flatnonzero(~self.done):
-            t = tokens[b]
-            cut = len(t)
-            if eos is not None:
-                hit = np.flatnonzero(t == eos)
-                if len(hit):
-                    cut = int(hit[0]) + 1
-                    self.done[b] = True
-            self.out[b].extend(int(x) for x in t[:cut])
-            if logits is not None:
-                self.out_logits[b].extend(logits[b, :cut])
 
 
 def _run(graphdef, backend, params, cache, tokens, positions, select, rope=None):

@@ -162,3 +162,88 @@ def test_blocking_optional_modules_takes_effect():
     """Control for the test above: with the same block, code that does need Hydra fails."""
     out = _run_blocked("from gemini_jax import hydra_schema\nhydra_schema.register()\n")
     assert out.returncode != 0 and "No module named 'hydra" in out.stderr, out.stderr[-3000:]
+
+
+# ---- the decode core's boundaries (AST, so strings and comments never count) ---------------------
+OUTSIDE_RUNTIME = ("gemini_jax/serve", "gemini_jax/session", "gemini_jax/eval", "experiments")
+ENGINE_NAMES = {"engine", "eng", "e", "_engine"}
+INTERNALS = {"kv", "store", "ctx", "prefixes"}
+STORES = {"TieredStore", "PooledStore"}
+SAMPLERS = {"sample", "sample_with", "token_keys", "keys_from"}
+
+
+def _py_files(root, dirs):
+    for d in dirs:
+        for dirpath, _, files in os.walk(os.path.join(root, d)):
+            if "legacy" in dirpath.split(os.sep):
+                continue
+            for f in sorted(files):
+                if f.endswith(".py"):
+                    yield os.path.relpath(os.path.join(dirpath, f), root)
+
+
+def _last_name(node):
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        return node.attr
+    return None
+
+
+def boundary_violations(root) -> dict:
+    """What the decode core's boundaries forbid, as "path:line: what" per rule:
+    - `engine_internals`: `<engine>.kv / .store / .ctx / .prefixes` in serve/, session/, eval/ and
+      experiments/ (they use `engine.sequences`, `engine.runner`, `engine.tier_stats`);
+    - `store_isinstance`: `isinstance(x, TieredStore | PooledStore)` outside cache/ and tiers/
+      (callers read the store's capabilities);
+    - `sampling`: gemini_jax.sampling's functions called or imported outside runtime/ and
+      sampling.py (the decode driver, runtime/driver.py, is the one place that samples)."""
+    out = {"engine_internals": [], "store_isinstance": [], "sampling": []}
+    for rel in _py_files(root, ("gemini_jax", "experiments")):
+        tree = ast.parse(open(os.path.join(root, rel)).read(), rel)
+        outside = rel.startswith(OUTSIDE_RUNTIME)
+        in_store_pkg = rel.startswith(("gemini_jax/cache/", "gemini_jax/tiers/"))
+        may_sample = rel.startswith("gemini_jax/runtime/") or rel == "gemini_jax/sampling.py"
+        for node in ast.walk(tree):
+            if outside and isinstance(node, ast.Attribute) and node.attr in INTERNALS \
+                    and _last_name(node.value) in ENGINE_NAMES:
+                out["engine_internals"].append(f"{rel}:{node.lineno}: .{node.attr}")
+            if not in_store_pkg and isinstance(node, ast.Call) and _last_name(node.func) == "isinstance" \
+                    and len(node.args) == 2:
+                kinds = node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]]
+                if any(_last_name(k) in STORES for k in kinds):
+                    out["store_isinstance"].append(f"{rel}:{node.lineno}: isinstance")
+            if not may_sample and isinstance(node, ast.ImportFrom) and node.module == "gemini_jax.sampling":
+                out["sampling"].append(f"{rel}:{node.lineno}: import")
+            if not may_sample and isinstance(node, ast.Attribute) and node.attr in SAMPLERS \
+                    and _last_name(node.value) == "sampling":
+                out["sampling"].append(f"{rel}:{node.lineno}: sampling.{node.attr}")
+    return out
+
+
+def test_decode_core_boundaries_hold():
+    found = boundary_violations(ROOT)
+    assert found == {"engine_internals": [], "store_isinstance": [], "sampling": []}, found
+
+
+PLANTS = {
+    "engine_internals": ("gemini_jax/serve/scheduler.py", "\n\ndef _planted(engine):\n    return engine.kv.pool\n"),
+    "store_isinstance": ("gemini_jax/runtime/paged.py",
+                         "\n\ndef _planted(s):\n    from gemini_jax.tiers import TieredStore\n"
+                         "    return isinstance(s, (int, TieredStore))\n"),
+    "sampling": ("gemini_jax/session/session.py", "\n\nfrom gemini_jax.sampling import sample_with  # noqa\n"),
+}
+
+
+def test_boundary_check_finds_each_planted_violation(tmp_path):
+    """Each rule of `boundary_violations` fails on one planted line, and on that rule only."""
+    for rule, (rel, code) in PLANTS.items():
+        root = tmp_path / rule
+        for d in ("gemini_jax", "experiments"):
+            shutil.copytree(os.path.join(ROOT, d), root / d,
+                            ignore=shutil.ignore_patterns("assets", "results", "legacy", "__pycache__"))
+        with open(root / rel, "a") as f:
+            f.write(code)
+        found = boundary_violations(str(root))
+        assert len(found[rule]) == 1 and found[rule][0].startswith(rel), (rule, found)
+        assert all(not v for k, v in found.items() if k != rule), (rule, found)

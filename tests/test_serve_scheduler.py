@@ -220,7 +220,7 @@ def test_swap_images_gathered_in_powers_of_two_equal_plain_ones_and_compile_once
     import jax
 
     from gemini_jax.runtime import images
-    from gemini_jax.serve.scheduler import Pow2Gather
+    from gemini_jax.runtime.images import Pow2Gather
 
     # A pool of its own size: no gather shape here was compiled by another test.
     cfg = gj.config.from_dict(gj.EngineConfig, dict(max_seq_len=512, max_batch=1, cache=dict(block_size=16,

@@ -7,19 +7,18 @@ random K/V instead of running prefill:
 
 * contiguous: `_ContiguousRunner` (the runner `Engine.generate` uses) with positions
   [0, context) of its [max_seq_len] buffer filled;
-* paged: `PagedRunner`, with the sequence registered in the engine's `KVCacheManager` (pages
-  reserved and tokens committed, as prefill would leave them) and those pages of the pool filled.
-  With a `SparseConfig` (enabled), the page digests of the filled pages are then computed from
-  the filled keys by the engine's own digest maintenance, `digests.update`, called per layer with
-  positions [0, context) (the call a prefill of the whole context would make), and stored in
-  `Engine.digests`; a spot check compares a few pages with `digests.page_digest`. So selection
-  scores the cache that is really there, as after a real prefill.
+* paged: `PagedRunner`, with the sequence written through `engine.sequences.write` (pages
+  reserved and tokens committed, as prefill would leave them, and those pages of the pool filled).
+  With a `SparseConfig` (enabled), that call computes the pages' digests from the filled keys by
+  the engine's own digest maintenance, `digests.update`, per layer with positions [0, context)
+  (the call a prefill of the whole context would make); a spot check compares a few pages with
+  `digests.page_digest`. So selection scores the cache that is really there, as after a real prefill.
 
 `step()` then calls `runner.decode` — the exact per-token work of `generate`'s loop: host
 bookkeeping (reserve/commit/block table for paged), the jitted step, and a greedy argmax on the
 host (which synchronises, as sampling does) — or, with `steps_per_call` k > 1, `runner.decode_many`:
-the engine's k-step program (greedy on device), one call per k tokens. These are private engine names: if the
-engine's internals move, this file is the one place to follow them.
+the engine's k-step program (greedy on device), one call per k tokens. The harness uses the
+engine's public runner and sequence API (`engine.runner`, `engine.sequences`) only.
 """
 
 from __future__ import annotations
@@ -33,9 +32,8 @@ import numpy as np
 import gemini_jax as gj
 from gemini_jax.attention import digests as D
 from gemini_jax.attention import kvquant
-from gemini_jax.attention.views import Span
 from gemini_jax.config import CacheConfig, SparseConfig
-from gemini_jax.runtime import ContiguousRunner, PagedRunner, new_stats
+from gemini_jax.runtime import new_stats
 from gemini_jax.runtime.multistep import LoopInputs, LoopSpec
 
 
@@ -58,23 +56,19 @@ class DecodeHarness:
         # Random K/V drawn in float (the model's dtype); a quantized cache quantizes them as it stores them.
         dt = self.eng.model_cfg.dtype
         if kind == "paged":
-            self.runner = PagedRunner(self.eng.ctx, batch, self.stats)
+            self.runner = self.eng.runner(batch, self.stats)
             rng = np.random.default_rng(seed)
-            kvm, store = self.eng.kv, self.eng.store
+            seqs = self.eng.sequences
+            n_pages = -(-context // block_size)
+            shape = (cfg.num_layers, cfg.num_kv_heads, n_pages, block_size, cfg.head_dim)
             for row, sid in enumerate(self.runner.ids):
                 toks = rng.integers(0, cfg.vocab_size, context).astype(np.int32)
-                kvm.add_sequence(sid, toks)
-                kvm.reserve(sid, context)
-                kvm.commit(sid, toks)
-                pages = kvm.seqs[sid].pages
-                shape = (cfg.num_layers, cfg.num_kv_heads, len(pages), block_size, cfg.head_dim)
                 kk, kv, key = jax.random.split(key, 3)
-                store.scatter(pages, jax.random.normal(kk, shape, dt), jax.random.normal(kv, shape, dt))
-                jax.block_until_ready(store.device)
-                if store.device.digests is not None:
-                    self._fill_digests(np.asarray(kvm.seqs[sid].pages, np.int32), context, seed + row)
+                seqs.write(sid, toks, jax.random.normal(kk, shape, dt), jax.random.normal(kv, shape, dt))
+                if seqs.device_digests is not None:
+                    self._check_digests(sid, context, seed + row)
         else:
-            self.runner = ContiguousRunner(self.eng.ctx, batch, self.stats)
+            self.runner = self.eng.runner(batch, self.stats)
             c = self.runner.cache
             shape = (cfg.num_layers, batch, context, cfg.num_kv_heads, cfg.head_dim)
             at = (slice(None), slice(None), slice(0, context))
@@ -87,30 +81,22 @@ class DecodeHarness:
         self._loop = LoopSpec(k=steps_per_call)  # greedy, no EOS: every call runs k steps
         self._key = jax.random.key(seed)
 
-    def _fill_digests(self, pages: np.ndarray, context: int, seed: int):
-        """Digests of the filled pages, layer by layer (bounded temporaries), via `digests.update`."""
-        e, kind = self.eng, self.eng.config.sparse.digest
-        L = self.eng.model_cfg.num_layers
-        S = self.eng.config.cache.block_size
-        bt = jnp.asarray(pages[None])
-        pos = jnp.arange(context, dtype=jnp.int32)[None]
-        lengths = jnp.asarray([context], jnp.int32)
-        upd = jax.jit(D.update, static_argnums=0, donate_argnums=1)
-        store = e.store
-        for layer in range(L):
-            store.update(lambda kv, layer=layer: (kv._replace(digests=upd(kind, kv.digests, kv.k, layer,
-                                                                          Span(pos, lengths, bt))), None))
-        jax.block_until_ready(store.device.digests)
-        # Spot check against page_digest: the first, a random and the last (maybe partial) page.
+    def _check_digests(self, sid: int, context: int, seed: int):
+        """Spot check of the digests `sequences.write` computed: the first, a random and the last
+        (maybe partial) page against `digests.page_digest` of its keys."""
+        e = self.eng
+        kind, S = e.config.sparse.digest, e.config.cache.block_size
+        n = -(-context // S)
         rng = np.random.default_rng(seed)
-        for j in sorted({0, int(rng.integers(len(pages))), len(pages) - 1}):
+        pages = sorted({0, int(rng.integers(n)), n - 1})
+        got = e.sequences.gather_pages(sid, pages)
+        for i, j in enumerate(pages):
             count = min(S, context - j * S)
-            layer = int(rng.integers(L))
-            k_pool = store.device.k
-            want = D.page_digest(kind, kvquant.read(k_pool[layer, :, pages[j]], jnp.float32),
-                                 jnp.full((k_pool.shape[1],), count))
-            got = store.device.digests[layer, :, pages[j]]
-            if not np.allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=1e-6):
+            layer = int(rng.integers(e.model_cfg.num_layers))
+            k_page = kvquant.read(jax.tree.map(jnp.asarray, got.k[layer, :, i]), jnp.float32)
+            want = D.page_digest(kind, k_page, jnp.full((k_page.shape[0],), count))
+            if not np.allclose(np.asarray(got.digests[layer, :, i], np.float32), np.asarray(want, np.float32),
+                               atol=1e-6):
                 raise AssertionError(f"digest of page {j} (layer {layer}) does not match its keys.")
 
     def step(self):
@@ -138,7 +124,7 @@ class DecodeHarness:
         positions and tokens (and the same block-table widths, compiled by a first run)."""
         if self.kind == "paged":
             for sid in self.runner.ids:
-                if self.eng.kv.truncate(sid, self.context):
+                if self.eng.sequences.truncate(sid, self.context):
                     raise RuntimeError("rewind needs a context that is a multiple of the block size.")
         self.lengths = np.full(self.batch, self.context, np.int32)
         self.next_tok = np.ones(self.batch, np.int32)

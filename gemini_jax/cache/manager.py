@@ -258,6 +258,33 @@ class KVCacheManager:
                 freed += 1
         return freed
 
+    # ---- allocation (what a scheduler asks before it plans a step) --------------------------
+    def pages_to_write(self, seq_id: int, end: int) -> int:
+        """New pages sequence `seq_id` needs to hold positions up to `end` (0 when it has them)."""
+        return max(0, -(-end // self.block_size) - len(self.seqs[seq_id].pages))
+
+    def can_admit(self, pages: int) -> bool:
+        """Whether `pages` more pages can be allocated now (cached-prefix pages count as free)."""
+        return pages <= self.pool.num_free
+
+    def allocate_slots(self, seq_id: int, n: int) -> list[int] | None:
+        """Pages for `n` more tokens after the sequence's current end: the new pages (maybe none),
+        or None when the pool cannot give them, with nothing changed (the caller preempts)."""
+        seq = self.seqs[seq_id]
+        need = self.pages_to_write(seq_id, seq.num_tokens + n)
+        if not self.can_admit(need):
+            return None
+        try:
+            self.reserve(seq_id, seq.num_tokens + n)
+        except CacheExhausted:  # a cached page counted as free was shared meanwhile
+            return None
+        return seq.pages[len(seq.pages) - need:] if need else []
+
+    def usage(self) -> dict:
+        """Pool occupancy: total (null page excluded), used, free, and live sequences."""
+        return {"pages_total": self.pool.num_pages - 1, "pages_used": self.pool.num_used,
+                "pages_free": self.pool.num_free, "sequences": len(self.seqs)}
+
     # ---- device boundary --------------------------------------------------------------------
     def block_tables(self, seq_ids, width: int) -> np.ndarray:
         """int32[len(seq_ids), width], padded with the null page."""

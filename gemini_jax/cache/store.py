@@ -84,6 +84,11 @@ class PooledStore:
     digests for every page when sparse attention is on. On a mesh the arrays are sharded by kv
     head over `model`."""
 
+    # Capabilities (callers read these, never the class): a decode batch may carry padding rows
+    # (they read the null page); runs the whole model as one jitted step.
+    supports_padding = True
+    layerwise = False
+
     def __init__(self, model_cfg: ModelConfig, config: EngineConfig, dtype, mesh=None):
         k, v = create_pool(model_cfg, config.num_pages, config.cache.block_size, dtype)
         sp = config.sparse

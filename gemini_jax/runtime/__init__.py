@@ -14,14 +14,13 @@ from gemini_jax.runtime.contiguous import ContiguousRunner
 from gemini_jax.runtime.counters import COUNTERS, Counters, new_stats
 from gemini_jax.runtime.paged import PagedRunner
 from gemini_jax.runtime.tiered import TieredRunner
-from gemini_jax.tiers.kv_store import TieredStore
 
 
 def make_runner(ctx: RunContext, batch: int, stats: Counters):
     """The runner for the engine's cache: contiguous (no store), paged (syntax-aligned or not), or tiered."""
     if ctx.store is None:
         return ContiguousRunner(ctx, batch, stats)
-    if isinstance(ctx.store, TieredStore):
+    if ctx.store.layerwise:
         return TieredRunner(ctx, batch, stats)
     if ctx.config.cache.align != "none":
         return AlignedRunner(ctx, batch, stats)

@@ -16,7 +16,9 @@ from typing import Optional
 
 import numpy as np
 
+from gemini_jax.attention import kvquant
 from gemini_jax.cache.block_pool import NULL_PAGE
+from gemini_jax.cache.shapes import pow2_at_least
 
 
 @dataclass(frozen=True, eq=False)
@@ -63,3 +65,24 @@ def restore(kv, store, sid: int, image: SequenceImage) -> None:
     partial = [p for i, p in to_fill if i == last and len(tokens) % S]
     store.scatter(phys, image.k[:, :, logical], image.v[:, :, logical],
                   None if image.digests is None else image.digests[:, :, logical], partial=partial)
+
+
+class Pow2Gather:
+    """`store`'s page gather (what `images.take` calls) over a power-of-two count of pages: the
+    null page fills the rest, cut off after. A pooled store compiles one gather per count, and a
+    server swaps out sequences of every length, each new one stalling every live request for the
+    compile (~0.2 s here); padded, the counts up to a pool's size take a handful of programs."""
+
+    def __init__(self, store):
+        self.store = store
+
+    def gather(self, pages):
+        n = len(pages)
+        k, v, dig = self.store.gather(list(pages) + [NULL_PAGE] * (pow2_at_least(max(n, 1)) - n))
+        # Copies: the image would otherwise keep the padding's memory alive while it waits.
+        first = lambda x: x[:, :, :n].copy()  # noqa: E731
+        if isinstance(k, kvquant.QuantPages):
+            k, v = (kvquant.QuantPages(first(x.data), first(x.scale)) for x in (k, v))
+        else:
+            k, v = first(k), first(v)
+        return k, v, None if dig is None else first(dig)

@@ -56,14 +56,14 @@ class _StateCollector:
         with self.worker.lock:
             engine = sched.engine
             stats = dict(engine.stats)
-            pool = engine.kv.pool
+            usage = engine.sequences.usage()
             tiers = engine.tier_stats()
             gauges = {
                 "gemini_jax_queue_depth": ("Requests waiting to run", len(sched.waiting)),
                 "gemini_jax_running_sequences": ("Requests holding pages (prefill or decode)", len(sched.live)),
                 "gemini_jax_preempted_sequences": ("Requests waiting after a preemption", sched.preempted),
-                "gemini_jax_pool_pages_used": ("Pages owned by live sequences", pool.num_used),
-                "gemini_jax_pool_pages_free": ("Pages free (some still caching a prefix)", pool.num_free),
+                "gemini_jax_pool_pages_used": ("Pages owned by live sequences", usage["pages_used"]),
+                "gemini_jax_pool_pages_free": ("Pages free (some still caching a prefix)", usage["pages_free"]),
             }
             preemptions = sched.preemptions
         for name, (doc, value) in gauges.items():

@@ -18,6 +18,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from gemini_jax.config import SamplingParams
+from gemini_jax.runtime import driver
 from gemini_jax.runtime.images import SequenceImage
 
 
@@ -88,7 +89,7 @@ class Request:
         """After a token was added: may another follow?"""
         if self.new_tokens >= self.params.max_new_tokens:
             return False
-        return not (self.params.stop_at_eos and eos_id is not None and self.generated and self.generated[-1] == eos_id)
+        return not (self.generated and driver.is_stop(self.params, eos_id, self.generated[-1]))
 
     def prompt_array(self) -> np.ndarray:
         return np.asarray(self.tokens, np.int32)

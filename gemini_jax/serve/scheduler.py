@@ -27,18 +27,13 @@ from typing import Optional
 
 import numpy as np
 
-from gemini_jax.attention import kvquant
-from gemini_jax.cache.block_pool import NULL_PAGE
-from gemini_jax.cache.shapes import pow2_at_least
 from gemini_jax.config import SamplingParams, ServeConfig
 from gemini_jax.errors import CacheExhausted, ConfigError, ContextLengthError
 from gemini_jax.model import validate_tokens
-from gemini_jax.runtime import Counters, images, make_runner, prefixes
+from gemini_jax.runtime import Counters, driver
 from gemini_jax.runtime.chunking import prefill_pieces
 from gemini_jax.runtime.paged import PageRunner
-from gemini_jax.sampling import sample_with
 from gemini_jax.serve.request import FINISH_REASONS, Phase, Request
-from gemini_jax.tiers import TieredStore
 
 
 class Scheduler:
@@ -46,7 +41,7 @@ class Scheduler:
     calls it from one thread; other threads only set a request's `*_requested` flags)."""
 
     def __init__(self, engine, config: ServeConfig | None = None, stats: Counters | None = None):
-        if engine.kv is None:
+        if engine.sequences is None:
             raise ConfigError("serving needs the paged cache (EngineConfig.cache.kind='paged').")
         if engine.config.cache.align != "none":
             raise ConfigError(f"serving does not run with cache.align={engine.config.cache.align!r} yet (its batches "
@@ -54,7 +49,8 @@ class Scheduler:
         self.engine = engine
         self.config = config or ServeConfig()
         self.stats = engine.stats if stats is None else stats  # the engine's counters, live
-        self.runner: PageRunner = make_runner(engine.ctx, 0, self.stats)
+        self.seqs = engine.sequences  # the pool's pages, asked through its allocation API
+        self.runner: PageRunner = engine.runner(0, self.stats)
         self.waiting: list[Request] = []
         self.live: list[Request] = []  # PREFILL or DECODE, holding pages
         self.arrivals = 0
@@ -63,7 +59,6 @@ class Scheduler:
         self.steps = 0
         self.decode_rows = 0  # sum over decode calls of their batch size
         self._eos = engine.model_cfg.eos_id
-        self._tiered = isinstance(engine.store, TieredStore)  # tiered runs keep one row per sequence
         self._layers = engine.model_cfg.num_layers
 
     # ---- requests in ------------------------------------------------------------------------------
@@ -78,10 +73,10 @@ class Scheduler:
                 f"{what} has {len(toks)} tokens + max_tokens={params.max_new_tokens} = {need} > the context "
                 f"of {cfg.max_seq_len} tokens; shorten the prompt or lower max_tokens.")
         pages = -(-need // cfg.cache.block_size)
-        if pages > self.engine.kv.pool.num_pages - 1:
+        if pages > self.seqs.capacity_pages:
             raise ContextLengthError(
                 f"{what} needs {pages} KV pages ({need} tokens) but the pool holds "
-                f"{self.engine.kv.pool.num_pages - 1}; shorten the request or raise cache.num_pages.")
+                f"{self.seqs.capacity_pages}; shorten the request or raise cache.num_pages.")
         return toks
 
     def submit(self, req: Request) -> Request:
@@ -143,7 +138,7 @@ class Scheduler:
                 return
             # Room for what it brings back, and for one more page per decoding request next step.
             reserve = sum(1 for x in self.live if x.phase is Phase.DECODE)
-            if self._pages_to_enter(r) + reserve > self.engine.kv.pool.num_free and self.live:
+            if not self.seqs.can_admit(self._pages_to_enter(r) + reserve) and self.live:
                 return  # it waits for pages (nobody overtakes it)
             self.waiting.remove(r)
             try:
@@ -184,11 +179,10 @@ class Scheduler:
     def _enter(self, r: Request) -> None:
         """Give `r` a sequence in the pool: its image back (swap, or a resumed session's turn), or
         its tokens to prefill."""
-        kv = self.engine.kv
         if r.seq_id is None:
-            r.seq_id = self.engine.ctx.new_ids(1)[0]
+            r.seq_id = self.seqs.new_id()
         if r.image is not None:
-            images.restore(kv, self.engine.store, r.seq_id, r.image)
+            self.seqs.swap_in(r.seq_id, r.image)
             r.image = None
             r.phase = Phase.DECODE if r.pending is not None else Phase.PREFILL
             if r.resume is not None:
@@ -213,9 +207,7 @@ class Scheduler:
         toks = r.prompt_array()
         pieces = []
         if rewind:
-            copies = self.engine.kv.truncate(r.seq_id, keep - 1)
-            if copies:
-                self.engine.store.copy_pages([c.src for c in copies], [c.dst for c in copies])
+            self.seqs.truncate(r.seq_id, keep - 1)
             pieces += prefill_pieces(self.engine.config, toks[:keep], keep - 1)
         if len(toks) > keep:
             pieces += prefill_pieces(self.engine.config, toks, keep)
@@ -231,33 +223,37 @@ class Scheduler:
         self.runner.ids = [r.seq_id for r in self.live]
 
     # ---- pages ------------------------------------------------------------------------------------
-    def _make_room(self, need: int, for_rank: tuple, rows: list) -> bool:
-        """Preempt live requests ranked after `for_rank`, worst first, until `need` pages are free.
-        `rows`: decode rows counted in `need` (a preempted one leaves it, with its page)."""
-        pool = self.engine.kv.pool
-        while need > pool.num_free:
+    def _make_room(self, need: int, for_rank: tuple) -> bool:
+        """Preempt live requests ranked after `for_rank`, worst first, until `need` pages are free."""
+        while not self.seqs.can_admit(need):
             victims = [r for r in self.live if r.rank >= for_rank]
             if not victims:
                 return False
-            victim = max(victims, key=lambda r: r.rank)
-            if victim in rows:
-                rows.remove(victim)
-                need -= self._new_pages(victim)
-            self._preempt(victim)
+            self._preempt(max(victims, key=lambda r: r.rank))
         return True
 
-    def _new_pages(self, r: Request) -> int:
-        """Pages the next decode call allocates for `r` (1 when its pending token opens a page)."""
-        seq = self.engine.kv.seqs[r.seq_id]
-        return int(seq.num_tokens + 1 > len(seq.pages) * self.engine.config.cache.block_size)
+    def _allocate_rows(self, rows: list) -> None:
+        """A page slot for every decode row's pending token, best row first. When the pool cannot
+        give one (`allocate_slots` is None), the worst-ranked live request is preempted, and the
+        row tries again; a preempted row leaves `rows`. The best row always fits alone (checked
+        at submit)."""
+        for r in list(rows):
+            if r not in rows:  # preempted for a better row
+                continue
+            while self.seqs.allocate_slots(r.seq_id, 1) is None:
+                victim = max(self.live, key=lambda x: x.rank)
+                if victim in rows:
+                    rows.remove(victim)
+                self._preempt(victim)
+                if victim is r:
+                    break
 
     def _preempt(self, r: Request) -> None:
-        kv = self.engine.kv
         if self.config.preempt == "swap":
-            r.image = images.take(kv, Pow2Gather(self.engine.store), r.seq_id)
+            r.image = self.seqs.swap_out(r.seq_id)
         else:
             r.pieces = deque()
-        kv.free(r.seq_id)
+        self.seqs.release(r.seq_id)
         self.live.remove(r)
         self._sync_ids()
         r.phase = Phase.WAITING
@@ -270,21 +266,19 @@ class Scheduler:
         rows = sorted((r for r in self.live if r.phase is Phase.DECODE), key=lambda r: r.rank)
         if not rows:
             return
-        need = sum(self._new_pages(r) for r in rows)
-        self._make_room(need, (-float("inf"),), rows)  # the best row always fits alone (checked at submit)
+        self._allocate_rows(rows)
         if not rows:
             return
-        kv = self.engine.kv
         ids = [r.seq_id for r in rows]
-        lengths = [kv.seqs[s].num_tokens for s in ids]
+        lengths = [self.seqs.num_tokens(s) for s in ids]
         tokens = [r.pending for r in rows]
-        pad_sid = self._pad_rows(ids, tokens, lengths, sum(self._new_pages(r) for r in rows))
+        pad_sid = self._pad_rows(ids, tokens, lengths)
         try:
             logits = self.runner.decode(np.asarray(tokens, np.int32), np.asarray(lengths, np.int32), ids,
                                         pad=len(ids) - len(rows))
         finally:
             if pad_sid is not None:
-                kv.free(pad_sid)
+                self.seqs.release(pad_sid)
         self.stats.decode_steps += 1
         self.stats.compute_units += len(rows) * self._layers
         self.decode_rows += len(rows)
@@ -294,19 +288,17 @@ class Scheduler:
             r.compute_units += self._layers
         self._after_logits(rows, logits)
 
-    def _pad_rows(self, ids: list, tokens: list, lengths: list, need: int) -> Optional[int]:
+    def _pad_rows(self, ids: list, tokens: list, lengths: list) -> Optional[int]:
         """With `serve.pad_batch`, fill the decode batch up to a power of two with rows of a scratch
         sequence (one page, position 0), so batch sizes 1..max_batch compile log2(max_batch) + 1
         programs instead of max_batch. The real rows never read its page. Returns its id (freed
-        after the call), or None (no padding: tiers, no page left beyond the `need` the real rows
-        take, or a batch already a power of two)."""
+        after the call), or None (no padding: tiers, no page left once the real rows hold theirs,
+        or a batch already a power of two)."""
         n = len(ids)
         target = 1 << (n - 1).bit_length()
-        if not self.config.pad_batch or target == n or self._tiered or self.engine.kv.pool.num_free < need + 1:
+        if not self.config.pad_batch or target == n or not self.seqs.pads_rows or not self.seqs.can_admit(1):
             return None
-        sid = self.engine.ctx.new_ids(1)[0]
-        self.engine.kv.add_sequence(sid, [])
-        self.engine.kv.reserve(sid, 1)
+        sid = self.seqs.open_scratch()
         ids += [sid] * (target - n)
         tokens += [0] * (target - n)
         lengths += [0] * (target - n)
@@ -335,25 +327,14 @@ class Scheduler:
             if r.wants_more(self._eos):
                 r.pending = int(tok)
             else:
-                eos = r.params.stop_at_eos and self._eos is not None and tok == self._eos
+                eos = driver.is_stop(r.params, self._eos, tok)
                 self._finish(r, "stop" if eos else "length")
 
     def _sample(self, rows: list, logits: np.ndarray) -> np.ndarray:
         """Each row with its own sampling parameters, keyed like a solo run (seed, sample index,
         position), so batching never changes what a request draws."""
-        kv = self.engine.kv
-        out = np.zeros(len(rows), np.int32)
-        groups: dict = {}
-        for i, r in enumerate(rows):
-            groups.setdefault(r.params, []).append(i)
-        for params, idx in groups.items():
-            if params.temperature == 0.0:  # greedy: argmax on the host (first maximum, as jnp.argmax), no compile per group size
-                out[idx] = np.argmax(logits[idx], axis=-1)
-                continue
-            pos = [kv.seqs[rows[i].seq_id].num_tokens for i in idx]
-            ids = [rows[i].sample_index for i in idx]
-            out[idx] = np.asarray(sample_with(params, logits[idx], ids, pos))
-        return out
+        return driver.sample_each([r.params for r in rows], logits, [r.sample_index for r in rows],
+                                  [self.seqs.num_tokens(r.seq_id) for r in rows])
 
     # ---- prefill ----------------------------------------------------------------------------------
     def _prefill(self) -> None:
@@ -372,22 +353,21 @@ class Scheduler:
                 budget -= n
                 ran = True
                 if not r.pieces:
-                    prefixes.persist(self.engine.ctx, r.seq_id)
+                    self.seqs.persist_prefix(r.seq_id)
                     r.phase = Phase.DECODE
                     self._after_logits([r], np.asarray(logits))
 
     def _room_for_piece(self, r: Request, end: int) -> bool:
-        seq = self.engine.kv.seqs[r.seq_id]
-        need = -(-end // self.engine.config.cache.block_size) - len(seq.pages)
+        need = self.seqs.pages_to_write(r.seq_id, end)
         if need <= 0:
             return True
-        if need > self.engine.kv.pool.num_free:
+        if not self.seqs.can_admit(need):
             others = [x for x in self.live if x is not r]
             worse = [x for x in others if x.rank > r.rank]
             if not worse:
                 return False
-            self._make_room(need, (r.rank[0], r.rank[1] + 1), [])
-        return need <= self.engine.kv.pool.num_free
+            self._make_room(need, (r.rank[0], r.rank[1] + 1))
+        return self.seqs.can_admit(need)
 
     # ---- the end ----------------------------------------------------------------------------------
     def _finish(self, r: Request, reason: str, error: Optional[str] = None) -> None:
@@ -395,11 +375,10 @@ class Scheduler:
         it was interrupted, when its image is kept on the request for a resume."""
         if reason not in FINISH_REASONS:
             raise ValueError(f"finish reason {reason!r} must be one of {FINISH_REASONS}.")
-        kv = self.engine.kv
         if r in self.live:
             if reason == "interrupted":
-                r.image = images.take(kv, Pow2Gather(self.engine.store), r.seq_id)
-            kv.free(r.seq_id)
+                r.image = self.seqs.swap_out(r.seq_id)
+            self.seqs.release(r.seq_id)
             self.live.remove(r)
             self._sync_ids()
         if r in self.waiting:
@@ -421,24 +400,3 @@ class Scheduler:
         """Cancel everything still queued or running."""
         for r in list(self.waiting) + list(self.live):
             self._finish(r, "cancelled")
-
-
-class Pow2Gather:
-    """`store`'s page gather (what `images.take` calls) over a power-of-two count of pages: the
-    null page fills the rest, cut off after. A pooled store compiles one gather per count, and a
-    server swaps out sequences of every length, each new one stalling every live request for the
-    compile (~0.2 s here); padded, the counts up to a pool's size take a handful of programs."""
-
-    def __init__(self, store):
-        self.store = store
-
-    def gather(self, pages):
-        n = len(pages)
-        k, v, dig = self.store.gather(list(pages) + [NULL_PAGE] * (pow2_at_least(max(n, 1)) - n))
-        # Copies: the image would otherwise keep the padding's memory alive while it waits.
-        first = lambda x: x[:, :, :n].copy()  # noqa: E731
-        if isinstance(k, kvquant.QuantPages):
-            k, v = (kvquant.QuantPages(first(x.data), first(x.scale)) for x in (k, v))
-        else:
-            k, v = first(k), first(v)
-        return k, v, None if dig is None else first(dig)

@@ -17,15 +17,12 @@ from __future__ import annotations
 import threading
 from typing import Optional
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from gemini_jax.config import SamplingParams
 from gemini_jax.errors import BudgetExceeded, ConfigError, ContextLengthError
-from gemini_jax.runtime import make_runner, new_stats
-from gemini_jax.runtime.multistep import LoopInputs, LoopSpec
-from gemini_jax.sampling import sample_with
+from gemini_jax.runtime import driver, new_stats
 from gemini_jax.session import snapshot
 
 
@@ -34,14 +31,15 @@ class Session:
     the iteration at the next token boundary; `snapshot(path)` saves it; `close()` frees it."""
 
     def __init__(self, engine, params: SamplingParams, *, budget: Optional[int] = None, sample_index: int = 0):
-        if engine.kv is None:
+        if engine.sequences is None:
             raise ConfigError("sessions need the paged cache (EngineConfig.cache.kind='paged').")
         self.engine = engine
         self.params = params
         self.budget = budget
         self.sample_index = sample_index  # which sequence's PRNG stream the sampler draws from
         self.stats = new_stats()
-        self._runner = make_runner(engine.ctx, 1, self.stats)
+        self._seqs = engine.sequences
+        self._runner = engine.runner(1, self.stats)
         self.seq_id = self._runner.ids[0]
         self.prompt_len = 0
         self.generated: list[int] = []
@@ -57,13 +55,11 @@ class Session:
     @property
     def tokens(self) -> list[int]:
         """Every token whose KV is in the cache (prompt, generated, instructions), in order."""
-        seq = self.engine.kv.seqs.get(self.seq_id)
-        return [] if seq is None else list(seq.tokens)
+        return self._seqs.tokens(self.seq_id)
 
     @property
     def position(self) -> int:
-        seq = self.engine.kv.seqs.get(self.seq_id)
-        return 0 if seq is None else seq.num_tokens
+        return self._seqs.num_tokens(self.seq_id)
 
     @property
     def compute_units(self) -> int:
@@ -91,7 +87,7 @@ class Session:
         self._settle()
         self._check_room(len(toks), what)
         self.charge(len(toks) * self.engine.model_cfg.num_layers, what)
-        if self.seq_id in self.engine.kv.seqs:
+        if self._seqs.has(self.seq_id):
             self.logits = self._runner.prefill_more(0, toks)
         else:  # the first prompt: a new sequence, sharing any cached prefix pages
             self.logits = self._runner.prefill(0, toks)
@@ -105,9 +101,7 @@ class Session:
         if not 1 <= keep <= self.position:
             raise ValueError(f"rewind_to={keep} must be in [1, {self.position}].")
         tokens = self.tokens
-        copies = e.kv.truncate(self.seq_id, keep - 1)
-        if copies:
-            e.store.copy_pages([c.src for c in copies], [c.dst for c in copies])
+        self._seqs.truncate(self.seq_id, keep - 1)
         # Recompute the last kept token: its logits predict what follows (counted, see DCU).
         self.charge(e.model_cfg.num_layers, "rewind")
         self.logits = self._runner.prefill_more(0, np.asarray(tokens[keep - 1:keep], np.int32))
@@ -144,14 +138,14 @@ class Session:
             tok, self.logits = self._ahead.pop(0)
             self._runner.commit(np.asarray([[tok]], np.int32))
         else:
-            tok = int(np.asarray(sample_with(self.params, self.logits, [self.sample_index], [pos]))[0])
+            tok = driver.sample_one(self.params, self.logits, self.sample_index, pos)
             # Write the token's KV now, so every boundary is a complete state (see module doc).
             self.logits = self._runner.decode(np.asarray([tok], np.int32), np.asarray([pos], np.int32))
         self.stats.decode_steps += 1
         self.stats.compute_units += cfg.num_layers
         self.generated.append(tok)
         self.new_tokens += 1
-        if self.params.stop_at_eos and cfg.eos_id is not None and tok == cfg.eos_id:
+        if driver.is_stop(self.params, cfg.eos_id, tok):
             self.finished = True
         return tok
 
@@ -165,22 +159,14 @@ class Session:
             n = min(n, (self.budget - self.compute_units) // cfg.num_layers)
         if n <= 1 or not self._runner.multistep:
             return
-        first = np.asarray(sample_with(self.params, self.logits, [self.sample_index], [pos]), np.int32)
-        # EOS does not stop the program: the session writes the EOS token it yields (as one step
-        # per token does); what was computed past it is dropped with the rest of the overshoot.
-        spec = LoopSpec.of(self.params, e.config.decode_steps_per_call, None, keep_logits=True)
-        res = self._runner.decode_many(LoopInputs(first, np.asarray([pos], np.int32),
-                                                  np.asarray([self.sample_index], np.uint32),
-                                                  jax.random.key(self.params.seed), np.zeros(1, bool), np.int32(n)),
-                                       spec, commit=False)
-        written = res.written(first)[0]
-        self._ahead = [(int(t), res.logits[:, j]) for j, t in enumerate(written)]
+        self._ahead = driver.compute_ahead(self._runner, self.logits, self.params, (self.sample_index, pos), n,
+                                           e.config.decode_steps_per_call)
 
     def _settle(self) -> None:
         """Drop the tokens computed ahead and not yielded (the state stays the last yielded one)."""
         self._ahead = []
-        if self.seq_id in self.engine.kv.seqs:
-            self.engine.kv.release_unwritten(self.seq_id)
+        if self._seqs.has(self.seq_id):
+            self._seqs.release_unwritten(self.seq_id)
 
     def run(self) -> list[int]:
         """Iterate to the end (or an interrupt); return the tokens produced by this run."""
@@ -203,8 +189,8 @@ class Session:
         return snapshot.save_snapshot(self, path, include_kv=include_kv)
 
     def close(self) -> None:
-        if self.seq_id in self.engine.kv.seqs:
-            self.engine.kv.free(self.seq_id)
+        if self._seqs.has(self.seq_id):
+            self._seqs.release(self.seq_id)
         if not getattr(self, "_closed", False):
             self.engine.stats.add(self.stats)
             self._closed = True

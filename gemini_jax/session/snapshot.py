@@ -68,7 +68,7 @@ def save_snapshot(sess, path: str, *, include_kv: bool = True, image: "images.Se
                             "which this engine does not have; use include_kv=True.")
     e = sess.engine
     # Pages wherever they live: the device pool, or device slots, host RAM and disk under tiers.
-    image = image if image is not None else images.take(e.kv, e.store, sess.seq_id)
+    image = image if image is not None else e.sequences.image(sess.seq_id)
     arrays = {"logits": np.asarray(sess.logits[0])}
     for name, x in (("k", image.k), ("v", image.v)):  # quantized KV: the stored bytes and their scales
         if isinstance(x, kvquant.QuantPages):
@@ -79,9 +79,9 @@ def save_snapshot(sess, path: str, *, include_kv: bool = True, image: "images.Se
         arrays["digests"] = image.digests
     # Soft tokens (encoder outputs): their vectors travel with the snapshot, since their ids name rows
     # of this engine's table, which another engine numbers differently (restore_soft renumbers).
-    used = e.ctx.soft.entries_in(image.tokens) if e.ctx.soft is not None else []
+    used = e.soft.entries_in(image.tokens) if e.soft is not None else []
     if used:
-        arrays["soft_vectors"] = np.concatenate([e.ctx.soft.vectors(s) for s in used])
+        arrays["soft_vectors"] = np.concatenate([e.soft.vectors(s) for s in used])
     meta = {
         "format": FORMAT,
         "created": time.time(),
@@ -192,7 +192,7 @@ def restore_pages(engine, seq_id: int, meta: dict, arrays: dict) -> None:
             for n in ("k", "v"))
     image = images.SequenceImage(tokens=tuple(meta["tokens"]), null_pages=tuple(meta["null_pages"]),
                                  k=k, v=v, digests=arrays.get("digests"))
-    images.restore(engine.kv, engine.store, seq_id, image)
+    engine.sequences.swap_in(seq_id, image)
 
 
 def restore_soft(engine, path: str, meta: dict, arrays: dict) -> list[int]:
@@ -208,7 +208,7 @@ def restore_soft(engine, path: str, meta: dict, arrays: dict) -> list[int]:
         raise SnapshotError(f"snapshot {path!r}: its soft tokens' vectors are missing or do not match its entries.")
     base, out, at = engine.model_cfg.vocab_size, tokens.copy(), 0
     for s in entries:
-        ids = engine.ctx.soft.add(s["key"], vectors[at:at + s["n"]], s["source"])
+        ids = engine.soft.add(s["key"], vectors[at:at + s["n"]], s["source"])
         at += s["n"]
         old = (tokens >= base + s["first"]) & (tokens < base + s["first"] + s["n"])
         out[old] = ids[tokens[old] - base - s["first"]]

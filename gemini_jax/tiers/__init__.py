@@ -14,6 +14,7 @@ from gemini_jax.config import TierConfig
 from gemini_jax.tiers.cost_model import RunCounters, measure_disk, project, project_all
 from gemini_jax.tiers.errors import IncompletePage, PageMissing, TierError
 from gemini_jax.tiers.kv_store import TieredStore
+from gemini_jax.tiers.observe import SelectionObserver
 from gemini_jax.tiers.page import PageKey, PageSpec, page_digest
 from gemini_jax.tiers.prefetch import Predictor, Prefetcher
 from gemini_jax.tiers.residency import Admission, DeviceSlots, HotZone
@@ -24,6 +25,6 @@ from gemini_jax.tiers.stores import DiskOptions, DiskStore, HostStore
 __all__ = [
     "TieredStore",
     "Admission", "DeviceSlots", "DiskOptions", "DiskStore", "Fetched", "HostStore", "HotZone", "IncompletePage",
-    "PageKey", "PageMissing", "PageSpec", "Predictor", "Prefetcher", "RunCounters", "ShardedTierStack", "TierConfig",
+    "PageKey", "PageMissing", "PageSpec", "Predictor", "Prefetcher", "RunCounters", "SelectionObserver", "ShardedTierStack", "TierConfig",
     "TierError", "TierStack", "measure_disk", "page_digest", "project", "project_all",
 ]

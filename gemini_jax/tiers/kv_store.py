@@ -33,6 +33,7 @@ from gemini_jax.config import EngineConfig, ModelConfig
 from gemini_jax.errors import IntegrityError
 from gemini_jax.tiers.errors import PageCorrupt, TierError
 from gemini_jax.tiers.link import Links
+from gemini_jax.tiers.observe import SelectionObserver
 from gemini_jax.tiers.page import PageSpec
 from gemini_jax.tiers.prefetch import Predictor, Prefetcher
 from gemini_jax.tiers.residency import DeviceSlots, HotZone
@@ -66,7 +67,13 @@ class TieredStore:
     in a tier below; only those may be evicted or prefetched), `stack` / `prefetcher`.
     """
 
-    def __init__(self, model_cfg: ModelConfig, config: EngineConfig, dtype, mesh=None):
+    # Capabilities (callers read these, never the class): one device row per live sequence (its
+    # sink and last pages pinned), so a decode batch cannot carry padding rows; runs layer by layer.
+    supports_padding = False
+    layerwise = True
+
+    def __init__(self, model_cfg: ModelConfig, config: EngineConfig, dtype, mesh=None, *,
+                 observer: SelectionObserver | None = None):
         cfg, ec = model_cfg, config
         tc, S = ec.tier, ec.cache.block_size
         self.cfg, self.tc, self.S = cfg, tc, S
@@ -118,14 +125,10 @@ class TieredStore:
         self.fused_steps = 0  # decode steps run as one device program (runtime.fused)
         self.fused_program_seconds = 0.0  # time in those programs (their host callbacks included)
         self.np_dtype = self.spec.np_dtype
-        # Research hook: set to a list to record every sparse selection ({"layer", "decode",
-        # "positions", "selected": logical ids [B, K, k]}); None records nothing.
-        self.selection_log: list | None = None
-        # Research hook: a function (layer, decode, positions [B, T], selected [B, K, k]) -> selected
-        # of the same shape (logical ids, ascending, -1 padded) that replaces a sparse selection
-        # before the pages are read (e.g. an oracle that forces chosen pages in); None changes
-        # nothing. Set, it runs decode steps layer by layer (the one-program step selects on device).
-        self.selection_edit = None
+        # Research hooks (`tiers.observe.SelectionObserver`), fixed for the store's life.
+        observer = observer or SelectionObserver()
+        self.selection_log: list | None = observer.log
+        self.selection_edit = observer.edit
         # Device scalars made once: creating one per layer per call is a dispatch each time.
         self.layer_ids = [jnp.int32(layer) for layer in range(L)]
         self.windows = [jnp.int32(w) for w in cfg.layer_windows]
@@ -339,7 +342,7 @@ class TieredStore:
         held = self.stack.bytes_held()
         kv = self._kv
         per_device = sum(a.addressable_shards[0].data.nbytes for a in jax.tree.leaves((kv.k, kv.v)))
-        out = {"device_slots_per_layer": self.n_slots, "device_hits": self.slots.hits,
+        out = {"page_bytes": self.spec.page_bytes, "device_slots_per_layer": self.n_slots, "device_hits": self.slots.hits,
                "device_misses": self.slots.misses, "device_evictions": self.slots.evictions,
                "kv_bytes_device": int(kv.k.nbytes + kv.v.nbytes), "kv_bytes_per_device": int(per_device),
                "kv_bytes_host": held["host"], "fused_decode_steps": self.fused_steps,

@@ -12,7 +12,6 @@ from benchlib.registry import Context, RowResult, row
 from benchlib.rows.common import close_harnesses, llama_weights
 from benchlib.timing import fmt_bytes, fmt_ms, fmt_ratio, interleaved, md_table, median, ratio_stats
 from gemini_jax.config import SparseConfig, TierConfig
-from gemini_jax.runtime import images
 
 QUANT = ("int8", "float8_e4m3fn")
 GOAL_BYTES = 0.27  # quantized / float32 bytes, scales included
@@ -37,7 +36,8 @@ def _tier_bytes(model, dt, s, seed: int) -> dict:
     prompt = np.random.default_rng(seed).integers(0, model.cfg.vocab_size, s["tier_context"]).tolist()
     with gj.Engine(model, cfg) as eng:
         out = eng.generate(prompt, gj.SamplingParams(max_new_tokens=TIER_TOKENS, temperature=0.0, stop_at_eos=False))
-        ts, page = eng.tier_stats(), eng.store.spec.page_bytes
+        ts = eng.tier_stats()
+        page = ts["page_bytes"]
     up = out.stats["pages_fetched_host"] + out.stats["pages_fetched_disk"]
     return {"pages_down": ts["host_pages"], "pages_up": up, "page_bytes": page,
             "bytes_moved": (ts["host_pages"] + up) * page}
@@ -49,7 +49,7 @@ def _tier_bytes(model, dt, s, seed: int) -> dict:
     "three engines hold the same random K/V (drawn in float32, quantized by the engine as it stores "
     "them), are stepped through `runner.decode` interleaved (order rotated), and each headline is the "
     "median of per-repeat ratios quantized / float32 step time. Bytes: the engines' `kv_bytes_read` "
-    "counter per step, and the sequence's KV payload as a snapshot stores it (`images.take`: K, V and "
+    "counter per step, and the sequence's KV payload as a snapshot stores it (`engine.sequences.image`: K, V and "
     f"their scales), quantized / float32 (goal ≤ {GOAL_BYTES}× for both); with sparse attention the snapshot "
     "also holds the page digests, kept in float32 for every dtype, shown beside it. Tiers: one request "
     f"(a 4K random prompt, {TIER_TOKENS} tokens, sparse, a quarter of the pages on device, the rest in host "
@@ -71,7 +71,7 @@ def kv_quant(ctx: Context) -> RowResult:
             for name, h in hs.items():
                 for _ in range(s["warmup"]):
                     h.step()
-                image = images.take(h.eng.kv, h.eng.store, h.runner.ids[0])
+                image = h.eng.sequences.image(h.runner.ids[0])
                 payload[name] = (image.k.nbytes + image.v.nbytes, image.nbytes)  # KV + scales; + digests
             before = {n: (h.stats["kv_bytes_read"], h.steps) for n, h in hs.items()}
             times = interleaved({n: (lambda h=h: h.timed(s["steps"])) for n, h in hs.items()}, s["repeats"],

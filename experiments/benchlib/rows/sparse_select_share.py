@@ -78,9 +78,9 @@ def sparse_select_share(ctx: Context) -> RowResult:
                                   new_tokens=s["warmup"] + s["steps"] * s["repeats"], sparse=sp)
                 eng, sid = h.eng, h.runner.ids[0]
                 # The block table as the next step sees it (one more token reserved), at the step's width.
-                pages = max(len(eng.kv.seqs[sid].pages), -(-(context + 1) // bs))
+                pages = max(eng.sequences.num_pages(sid), -(-(context + 1) // bs))
                 width = table_width(pages, eng.config.pages_per_seq)
-                bt = jnp.asarray(eng.kv.block_tables([sid], width))
+                bt = jnp.asarray(eng.sequences.block_tables([sid], width))
                 q = jax.random.normal(jax.random.key(ctx.seed + 3),
                                       (cfg.num_layers, 1, 1, cfg.num_heads, cfg.head_dim), jnp.float32)
                 q_pos = jnp.asarray([[context]], jnp.int32)
@@ -90,7 +90,7 @@ def sparse_select_share(ctx: Context) -> RowResult:
                     t0 = time.perf_counter()
                     for _ in range(n):
                         # The store's digests are read at call time: the step replaces them (donation).
-                        jax.block_until_ready(fn(eng.store.device.digests, bt, q, q_pos))
+                        jax.block_until_ready(fn(eng.sequences.device_digests, bt, q, q_pos))
                     return (time.perf_counter() - t0) / n
 
                 for _ in range(s["warmup"]):  # compile + warm both

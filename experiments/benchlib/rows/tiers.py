@@ -15,7 +15,7 @@ from benchlib.registry import Context, RowResult, row
 from benchlib.rows.common import peak_rss_gib
 from benchlib.timing import fmt_bytes, fmt_ms, fmt_ratio, interleaved, md_table, median, ratio_stats
 from gemini_jax.config import CacheConfig, EngineConfig, SparseConfig, TierConfig
-from gemini_jax.runtime import make_runner, new_stats
+from gemini_jax.runtime import new_stats
 from gemini_jax.tiers.cost_model import measure_disk
 
 GOAL_RATIO = 0.9  # tiered / all-resident speed at 25% with depth >= 2
@@ -60,7 +60,7 @@ class _Variant:
             cache=CacheConfig(block_size=s["block_size"], prefix_caching=False), sparse=sp,
             tier=tier or TierConfig()))
         self.stats = new_stats()
-        self.runner = make_runner(self.eng.ctx, 1, self.stats)
+        self.runner = self.eng.runner(1, self.stats)
         logits = self.runner.prefill(0, toks)
         self.next = np.asarray(np.argmax(np.asarray(logits), -1), np.int32)
         self.lengths = np.array([len(toks)], np.int32)
@@ -132,9 +132,8 @@ def tiers(ctx: Context) -> RowResult:
                 live[name].step()
         before = {n: dict(v.stats) for n, v in live.items()}
         steps0 = {n: len(v.tokens) for n, v in live.items()}
-        fused0 = {n: (v.eng.store.fused_steps if v.eng.config.tier.enabled else 0) for n, v in live.items()}
-        prog0 = {n: (v.eng.store.fused_program_seconds if v.eng.config.tier.enabled else 0.0)
-                 for n, v in live.items()}
+        fused0 = {n: v.eng.tier_stats().get("fused_decode_steps", 0) for n, v in live.items()}
+        prog0 = {n: v.eng.tier_stats().get("fused_program_seconds", 0.0) for n, v in live.items()}
         times = interleaved({n: (lambda v=v: v.timed(s["steps"])) for n, v in live.items()}, s["repeats"],
                             desc=f"tiers @ {s['context']}")
         same = {n: v.tokens == live["all-resident"].tokens for n, v in live.items()}
@@ -162,13 +161,14 @@ def tiers(ctx: Context) -> RowResult:
                 rec.update({"speed_vs_tiered100_" + k: x
                             for k, x in ratio_stats(times["tiered 100%"], times[name]).items()})
             if tier is not None:
-                rec["device_slots_per_layer"] = v.eng.store.n_slots
+                ts = v.eng.tier_stats()
+                rec["device_slots_per_layer"] = ts["device_slots_per_layer"]
                 rec["fused_decode"] = tier.fused_decode
-                rec["fused_steps"] = v.eng.store.fused_steps - fused0[name]
+                rec["fused_steps"] = ts["fused_decode_steps"] - fused0[name]
                 rec["timed_steps"] = n
                 # Share of the timed steps spent inside the one-program step (its callbacks included);
                 # the rest is the host's bookkeeping around it.
-                prog = v.eng.store.fused_program_seconds - prog0[name]
+                prog = ts["fused_program_seconds"] - prog0[name]
                 rec["program_share"] = prog / (sum(times[name]) * s["steps"]) if rec["fused_steps"] else None
             records.append(rec)
     finally:

@@ -89,7 +89,7 @@ def tiers_link(ctx: Context) -> RowResult:
 
                 def timed(cell):
                     v, link = cell
-                    v.eng.store.set_link(link)
+                    v.eng.set_link(link)
                     v.step()  # one step to fill the staging buffer under this link, untimed
                     before = dict(v.stats)
                     t = v.timed(s["steps"])

@@ -118,12 +118,11 @@ def run(cfg: Config) -> StudyResult:
     params = SamplingParams(max_new_tokens=tasks.KEY_DIGITS + 1, temperature=0.0, stop_at_eos=False)
     layers = list(cfg.oracle_layers) if cfg.oracle_layers else None
     trials = []
-    with gj.Engine(model, ecfg) as eng:
-        log = eng.store.selection_log = []
-        forced: set = set()  # the running trial's needle pages, for the oracle
-        if cfg.oracle != "off":
-            eng.store.selection_edit = ForcePages(forced, when=cfg.oracle, layers=layers, sink_pages=sp.sink_pages,
-                                                   block_size=cfg.block_size)
+    log: list = []
+    forced: set = set()  # the running trial's needle pages, for the oracle
+    edit = None if cfg.oracle == "off" else ForcePages(forced, when=cfg.oracle, layers=layers,
+                                                       sink_pages=sp.sink_pages, block_size=cfg.block_size)
+    with gj.Engine(model, ecfg, observer=gj.SelectionObserver(log=log, edit=edit)) as eng:
         cells = [(i, L, j, d, t) for i, L in enumerate(cfg.lengths) for j, d in enumerate(cfg.depths)
                  for t in range(cfg.trials)]
         for i, L, j, d, t in tqdm(cells, desc="needle diagnosis", unit="trial"):

@@ -21,7 +21,7 @@ from gemini_jax.config import CacheConfig, EngineConfig, SparseConfig, TierConfi
 from gemini_jax.eval.heldout import heldout_text
 from gemini_jax.eval.record import StudyResult
 from gemini_jax.eval.studies import as_tuple
-from gemini_jax.runtime import TieredRunner, new_stats
+from gemini_jax.runtime import new_stats
 
 MODEL = "shipped tiny model, held-out stdlib text"
 
@@ -51,20 +51,20 @@ def measure(model, toks, cfg: Config, lookahead: int, fused: bool) -> dict:
                                           sparse_prefill=True, score_queries=64), tier=tier)
     with gj.Engine(model, ec) as eng:
         stats = new_stats()
-        runner = TieredRunner(eng.ctx, 1, stats)
+        runner = eng.runner(1, stats)
         nxt = np.asarray(np.argmax(np.asarray(runner.prefill(0, toks)), -1), np.int32)
         lengths = np.array([len(toks)], np.int32)
         before, t0, late0 = None, None, 0
         for i in range(cfg.warmup + cfg.steps):
             if i == cfg.warmup:
                 before, t0 = dict(stats), time.perf_counter()
-                late0 = eng.store.prefetcher.stats["prefetch_late"]
+                late0 = eng.tier_stats()["prefetch_late"]
             nxt = np.asarray(np.argmax(np.asarray(runner.decode(nxt, lengths)), -1), np.int32)
             lengths = lengths + 1
         seconds = (time.perf_counter() - t0) / cfg.steps
         d = {k: stats[k] - before[k] for k in stats}
-        fused_steps = eng.store.fused_steps
-        late = eng.store.prefetcher.stats["prefetch_late"] - late0
+        ts = eng.tier_stats()
+        fused_steps, late = ts["fused_decode_steps"], ts["prefetch_late"] - late0
         runner.close()
     hits, misses = d["prefetch_hits"], d["prefetch_misses"]
     return {"lookahead": lookahead, "path": "one program" if fused else "layer by layer",
