@@ -12,6 +12,7 @@ preempted, in which order) and that no decision changed a request's tokens.
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -91,13 +92,39 @@ class FakeRunner:
         self.log.append(("decode", tuple(real)))
         return np.concatenate([self._logits(real), np.zeros((pad, V), np.float32)])
 
+    multistep = True
+
+    def decode_many(self, inp, spec, *, commit=True, ids=None, pad=0):
+        """Up to `inp.n` tokens per row: write, answer, stop a row at EOS (as `decode_loop` does)."""
+        ids = list(ids)
+        real = ids[:len(ids) - pad]
+        tok = [int(t) for t in inp.tok[:len(real)]]
+        done = np.asarray(inp.done[:len(real)], bool).copy()
+        sampled = []
+        steps = 0
+        while steps < int(inp.n) and not done.all():
+            nxt = []
+            for b, sid in enumerate(real):
+                n0 = int(inp.lengths[b]) + steps
+                self.kv.reserve(sid, n0 + 1)
+                self.kv.commit(sid, [tok[b]])
+                nxt.append(next_token(self.kv.seqs[sid].tokens))
+            sampled.append(nxt)
+            tok = nxt
+            steps += 1
+            if spec.eos_id is not None:
+                done |= np.asarray(nxt) == spec.eos_id
+        self.log.append(("decode_many", tuple(real), steps))
+        return SimpleNamespace(tokens=np.asarray(sampled, np.int32).T.reshape(len(real), steps), steps=steps)
+
     def close(self):
         pass
 
 
 class FakeEngine:
-    def __init__(self, num_pages: int, max_batch: int, block_size: int = 8):
+    def __init__(self, num_pages: int, max_batch: int, block_size: int = 8, steps_per_call: int = 1):
         self.config = EngineConfig(max_seq_len=(num_pages - 1) * block_size, max_batch=max_batch, prefill_chunk=16,
+                                   decode_steps_per_call=steps_per_call,
                                    cache=CacheConfig(block_size=block_size, prefix_caching=False, num_pages=num_pages))
         self.model_cfg = MCFG
         self.stats = new_stats()
@@ -150,14 +177,14 @@ def test_admission_is_best_first_and_waits_for_pages():
     assert time.perf_counter() - t0 < 1.0
 
 
-@pytest.mark.parametrize("preempt", ["swap", "recompute"])
-def test_preemption_when_allocate_slots_returns_none(preempt):
+@pytest.mark.parametrize("preempt,k", [("swap", 1), ("recompute", 1), ("swap", 4)])
+def test_preemption_when_allocate_slots_returns_none(preempt, k):
     """A pool too small for every live request's next token: the decode step's `allocate_slots`
     returns None, the worst-ranked request is preempted (and only then), and every request still
     gets its solo tokens."""
     t0, seed = time.perf_counter(), 12
     rng = np.random.default_rng(seed)
-    eng = FakeEngine(num_pages=1 + 5, max_batch=4)  # 3 requests of 3 pages each
+    eng = FakeEngine(num_pages=1 + 5, max_batch=4, steps_per_call=k)  # 3 requests of 3 pages each
     calls = []
     real = eng.sequences.allocate_slots
 
@@ -178,6 +205,7 @@ def test_preemption_when_allocate_slots_returns_none(preempt):
             first_victim = next(r.rid for r in reqs if r.preemptions)
             assert any(calls), (seed, "preempted before any allocation failed")
     assert first_victim == "r2", (seed, first_victim)
+    assert (k > 1) == any(e[0] == "decode_many" for e in eng.log), (seed, k)
     assert reqs[0].preemptions == 0
     _exact(reqs, prompts, seed)
     assert eng.sequences.usage()["sequences"] == 0

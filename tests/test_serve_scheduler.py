@@ -82,6 +82,29 @@ def test_churn_each_request_gets_its_solo_tokens(engine, churn, preempt):
     assert pool.num_free == pool.num_pages - 1 and not engine.kv.seqs, "pages left owned after every request ended"
 
 
+@pytest.fixture(scope="module")
+def kstep_engine(model):
+    cfg = gj.config.from_dict(gj.EngineConfig, dict(
+        max_seq_len=256, prefill_chunk=64, max_batch=8, decode_steps_per_call=4,
+        cache=dict(block_size=16, num_pages=POOL_PAGES)))
+    with gj.Engine(model, cfg) as eng:
+        yield eng
+
+
+def test_churn_with_k_step_decode_gets_solo_tokens(kstep_engine, churn):
+    """Serving over k-step programs (decode_steps_per_call=4: up to 4 tokens per row per call,
+    batches padded to powers of two, pages allocated for all of them first): every request still
+    gets its solo tokens under churn and swap preemption, in fewer calls than tokens."""
+    work, solo = churn
+    sched, reqs = _serve(kstep_engine, work[:16], ServeConfig(step_tokens=96, preempt="swap"))
+    for i, r in enumerate(reqs):
+        assert r.finish_reason in ("stop", "length") and r.generated == solo[i], (SEED, r.rid, r.preemptions)
+    decoded = sum(len(r.generated) - 1 for r in reqs)  # the first token of each comes from its prefill
+    assert sched.decode_calls < decoded / 2, (SEED, sched.decode_calls, decoded)
+    assert sched.preemptions > 0, (SEED, "the pool was meant to force preemption")
+    assert kstep_engine.sequences.usage()["sequences"] == 0
+
+
 def test_a_planted_scheduling_bug_is_caught(engine, churn, monkeypatch):
     """The churn check can fail: a swap that loses the last page's bytes changes tokens."""
     from gemini_jax.runtime import images

@@ -62,6 +62,18 @@ def sample_each(params: list, logits: np.ndarray, sample_ids, positions) -> np.n
     return out
 
 
+def loop_spec(params: SamplingParams, k: int, eos_id: Optional[int]) -> LoopSpec:
+    """The k-step program's static setting for rows sampled with `params` (EOS per `params`)."""
+    return LoopSpec.of(params, k, eos_id)
+
+
+def loop_inputs(tokens, lengths, sample_ids, params: SamplingParams, done, n: int) -> LoopInputs:
+    """One k-step call's inputs: the tokens to write first at `lengths`, each row's sampling
+    stream, rows already done, and the steps to run (<= the spec's k)."""
+    return LoopInputs(np.asarray(tokens, np.int32), np.asarray(lengths, np.int32), np.asarray(sample_ids, np.uint32),
+                      jax.random.key(params.seed), np.asarray(done, bool), np.int32(n))
+
+
 @dataclass
 class DecodeRows:
     """What a group's decode keeps per row: sampling stream, length, tokens (and logits) kept,

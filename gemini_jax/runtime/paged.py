@@ -160,21 +160,25 @@ class PagedRunner(PageRunner):
 
     multistep = True
 
-    def decode_many(self, inp: LoopInputs, spec: LoopSpec, *, commit: bool = True) -> HostOut:
+    def decode_many(self, inp: LoopInputs, spec: LoopSpec, *, commit: bool = True, ids=None,
+                    pad: int = 0) -> HostOut:
         """Up to `inp.n` decode steps in one program (`runtime.multistep`): pages for all of them
         reserved first, the written tokens committed after (`commit=False`: left to the caller,
-        which commits what it keeps; the rest is overwritten by the next write)."""
+        which commits what it keeps; the rest is overwritten by the next write). `ids` and `pad`
+        as in `decode` (pad rows: their tokens are not committed)."""
         ctx = self.ctx
-        for sid, n0 in zip(self.ids, np.asarray(inp.lengths)):
+        ids = self.ids if ids is None else list(ids)
+        for sid, n0 in zip(ids, np.asarray(inp.lengths)):
             self._reserve(sid, int(n0) + int(inp.n))
-        width = call_width(ctx.config, ctx.kv, self.ids, 1)
-        tables = jnp.asarray(ctx.kv.block_tables(self.ids, width))
+        width = call_width(ctx.config, ctx.kv, ids, 1)
+        tables = jnp.asarray(ctx.kv.block_tables(ids, width))
         run = ctx.program(("paged", spec), lambda: decode_loop(functools.partial(_paged_step, ctx.forward), spec,
                                                                 ctx.model_cfg.vocab_size))
         out = fetch(ctx.store.update(lambda kv: run(ctx.params, kv, tables, inp)))
         if commit:
-            self.commit(out.written(inp.tok))
-        self._count(out.page_reads, out.key_reads, width, out.steps)
+            real = len(ids) - pad
+            self.commit(out.written(inp.tok)[:real], ids[:real])
+        self._count(out.page_reads, out.key_reads, width, out.steps, len(ids))
         return out
 
 

@@ -89,11 +89,11 @@ class SequenceCache:
         with nothing changed when the pool cannot give them."""
         return self._kv.allocate_slots(sid, n)
 
-    def open_scratch(self) -> int:
-        """A new empty sequence holding one page (padding rows of a decode batch); release it after."""
+    def open_scratch(self, tokens: int = 1) -> int:
+        """A new empty sequence holding pages for `tokens` (padding rows of a decode batch); release it after."""
         sid = self.new_id()
         self._kv.add_sequence(sid, [])
-        self._kv.reserve(sid, 1)
+        self._kv.reserve(sid, tokens)
         return sid
 
     def truncate(self, sid: int, keep: int) -> int:

@@ -58,6 +58,7 @@ class Scheduler:
         self.fair_preemptions = 0
         self.steps = 0
         self.decode_rows = 0  # sum over decode calls of their batch size
+        self.decode_calls = 0  # device calls that decoded (one token per row, or up to k: `_steps_for`)
         self._eos = engine.model_cfg.eos_id
         self._layers = engine.model_cfg.num_layers
 
@@ -232,15 +233,16 @@ class Scheduler:
             self._preempt(max(victims, key=lambda r: r.rank))
         return True
 
-    def _allocate_rows(self, rows: list) -> None:
-        """A page slot for every decode row's pending token, best row first. When the pool cannot
+    def _allocate_rows(self, rows: list, n: int = 1) -> None:
+        """Page slots for the `n` tokens every decode row writes next (its pending token first),
+        best row first. When the pool cannot
         give one (`allocate_slots` is None), the worst-ranked live request is preempted, and the
         row tries again; a preempted row leaves `rows`. The best row always fits alone (checked
         at submit)."""
         for r in list(rows):
             if r not in rows:  # preempted for a better row
                 continue
-            while self.seqs.allocate_slots(r.seq_id, 1) is None:
+            while self.seqs.allocate_slots(r.seq_id, n) is None:
                 victim = max(self.live, key=lambda x: x.rank)
                 if victim in rows:
                     rows.remove(victim)
@@ -266,8 +268,12 @@ class Scheduler:
         rows = sorted((r for r in self.live if r.phase is Phase.DECODE), key=lambda r: r.rank)
         if not rows:
             return
-        self._allocate_rows(rows)
+        n = self._steps_for(rows)
+        self._allocate_rows(rows, n)
         if not rows:
+            return
+        if n > 1:
+            self._decode_many(rows, min(n, self._steps_for(rows)))
             return
         ids = [r.seq_id for r in rows]
         lengths = [self.seqs.num_tokens(s) for s in ids]
@@ -282,13 +288,63 @@ class Scheduler:
         self.stats.decode_steps += 1
         self.stats.compute_units += len(rows) * self._layers
         self.decode_rows += len(rows)
+        self.decode_calls += 1
         logits = np.asarray(logits)[:len(rows)]
         for r in rows:
             r.pending = None
             r.compute_units += self._layers
         self._after_logits(rows, logits)
 
-    def _pad_rows(self, ids: list, tokens: list, lengths: list) -> Optional[int]:
+    def _steps_for(self, rows: list) -> int:
+        """Tokens the next decode call makes per row: up to `EngineConfig.decode_steps_per_call` in
+        one k-step program (`runtime.multistep`) when the runner has one, every row samples with
+        the same parameters (one program per setting), no row is to be interrupted (an interrupt
+        keeps the logits after the last token written, which only the one-token call returns),
+        and no further than the row closest to its `max_new_tokens`. Else 1."""
+        k = self.engine.config.decode_steps_per_call
+        if k <= 1 or not self.runner.multistep or len({r.params for r in rows}) > 1 \
+                or any(r.interrupt_requested for r in rows):
+            return 1
+        return max(1, min(k, *(r.params.max_new_tokens - r.new_tokens for r in rows)))
+
+    def _decode_many(self, rows: list, n: int) -> None:
+        """Up to `n` tokens per row in one program: each row's pending token written, then the
+        tokens sampled after each step (keys as a solo run: seed, sample index, position), EOS
+        stopping a row. The last sampled token of a row that goes on is its new pending one."""
+        params = rows[0].params
+        ids = [r.seq_id for r in rows]
+        lengths = [self.seqs.num_tokens(s) for s in ids]
+        tokens = [r.pending for r in rows]
+        sample_ids = [r.sample_index for r in rows]
+        pad_sid = self._pad_rows(ids, tokens, lengths, n)
+        pad = len(ids) - len(rows)
+        done = np.zeros(len(ids), bool)
+        done[len(rows):] = True  # padding rows never hold the loop
+        spec = driver.loop_spec(params, self.engine.config.decode_steps_per_call, self._eos)
+        try:
+            out = self.runner.decode_many(driver.loop_inputs(tokens, lengths, sample_ids + [0] * pad, params, done, n),
+                                          spec, ids=ids, pad=pad)
+        finally:
+            if pad_sid is not None:
+                self.seqs.release(pad_sid)
+        self.stats.decode_steps += out.steps
+        self.stats.compute_units += len(rows) * self._layers * out.steps
+        self.decode_rows += len(rows)
+        self.decode_calls += 1
+        for i, r in enumerate(rows):
+            r.pending = None
+            r.compute_units += self._layers * out.steps
+            self._take_tokens(r, out.tokens[i])
+
+    def _take_tokens(self, r: Request, toks) -> None:
+        """Send `r` the tokens a k-step call sampled for it, up to its end (EOS or max_new_tokens)."""
+        now = time.perf_counter()
+        for tok in toks:
+            if r.finished:
+                return
+            self._send(r, int(tok), now)
+
+    def _pad_rows(self, ids: list, tokens: list, lengths: list, steps: int = 1) -> Optional[int]:
         """With `serve.pad_batch`, fill the decode batch up to a power of two with rows of a scratch
         sequence (one page, position 0), so batch sizes 1..max_batch compile log2(max_batch) + 1
         programs instead of max_batch. The real rows never read its page. Returns its id (freed
@@ -296,9 +352,10 @@ class Scheduler:
         or a batch already a power of two)."""
         n = len(ids)
         target = 1 << (n - 1).bit_length()
-        if not self.config.pad_batch or target == n or not self.seqs.pads_rows or not self.seqs.can_admit(1):
+        pages = -(-steps // self.engine.config.cache.block_size)
+        if not self.config.pad_batch or target == n or not self.seqs.pads_rows or not self.seqs.can_admit(pages):
             return None
-        sid = self.seqs.open_scratch()
+        sid = self.seqs.open_scratch(steps)
         ids += [sid] * (target - n)
         tokens += [0] * (target - n)
         lengths += [0] * (target - n)
@@ -317,18 +374,21 @@ class Scheduler:
         toks = self._sample([rows[i] for i in keep], logits[keep])
         now = time.perf_counter()
         for i, tok in zip(keep, toks):
-            r = rows[i]
-            r.generated.append(int(tok))
-            r.tokens.append(int(tok))
-            r.t_first = r.t_first or now
-            r.t_last = now
-            if r.sink is not None:
-                r.sink(r, int(tok))
-            if r.wants_more(self._eos):
-                r.pending = int(tok)
-            else:
-                eos = driver.is_stop(r.params, self._eos, tok)
-                self._finish(r, "stop" if eos else "length")
+            self._send(rows[i], int(tok), now)
+
+    def _send(self, r: Request, tok: int, now: float) -> None:
+        """`tok` was sampled for `r`: append and stream it; it stays pending (its KV is written by
+        the next decode call) or ends the request."""
+        r.generated.append(tok)
+        r.tokens.append(tok)
+        r.t_first = r.t_first or now
+        r.t_last = now
+        if r.sink is not None:
+            r.sink(r, tok)
+        if r.wants_more(self._eos):
+            r.pending = tok
+        else:
+            self._finish(r, "stop" if driver.is_stop(r.params, self._eos, tok) else "length")
 
     def _sample(self, rows: list, logits: np.ndarray) -> np.ndarray:
         """Each row with its own sampling parameters, keyed like a solo run (seed, sample index,
