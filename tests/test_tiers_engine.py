@@ -315,7 +315,7 @@ def test_fused_decode_raises_integrity_error_for_a_corrupt_page(tmp_path):
 
 
 def test_selection_edit_hook_replaces_the_selection():
-    """The research hook: an identity edit keeps the numbers (and runs decode layer by layer); an
+    """The research hook (`gj.SelectionObserver`, given to the engine): an identity edit keeps the numbers (and runs decode layer by layer); an
     edit that forces a page in is what the attention reads (the log shows it, the logits move)."""
     seed = 7
     rng = np.random.default_rng(seed)
@@ -335,20 +335,50 @@ def test_selection_edit_hook_replaces_the_selection():
         seen.append(decode)
         return selected
 
-    with gj.Engine(model, ecfg) as eng:
-        eng.store.selection_edit = identity
+    with gj.Engine(model, ecfg, observer=gj.SelectionObserver(edit=identity)) as eng:
         same = eng.generate(prompt, params, return_logits=True)
         assert eng.tier_stats()["fused_decode_steps"] == 0
     assert any(seen) and not all(seen)  # prompt calls and decode steps both went through it
     tol = min(CONTRACT, tiered_bound(cfg, prompt, plain.logits))  # layer by layer vs the one-program step
     np.testing.assert_allclose(same.logits[0], plain.logits[0], atol=tol, rtol=0, err_msg=f"seed={seed}")
 
-    with gj.Engine(model, ecfg) as eng:
-        log = eng.store.selection_log = []
-        eng.store.selection_edit = lambda layer, decode, positions, sel: np.where(
-            (np.arange(sel.shape[-1]) == 1) & decode, 2, sel)  # column 1 reads logical page 2 at decode
+    log = []
+    force = gj.SelectionObserver(log=log, edit=lambda layer, decode, positions, sel: np.where(
+        (np.arange(sel.shape[-1]) == 1) & decode, 2, sel))  # column 1 reads logical page 2 at decode
+    with gj.Engine(model, ecfg, observer=force) as eng:
         forced = eng.generate(prompt, params, return_logits=True)
     rows = [r["selected"] for r in log if r["decode"]]
     assert rows and all(np.all(r[..., 1] == 2) for r in rows)
     moved_by = np.abs(forced.logits[0][1:] - plain.logits[0][1:]).max()
     assert moved_by > 10 * tol, f"seed={seed}: the forced page moved the logits by {moved_by:.3g} only"
+
+
+def test_an_observer_needs_the_tiered_store():
+    """Selection hooks run on the tiered store's host path; an all-resident engine refuses them by name."""
+    cfg = tiny_config("llama")
+    with pytest.raises(ConfigError, match="tiered store"):
+        gj.Engine(random_model(cfg, 3), EngineConfig(**_base(True)), observer=gj.SelectionObserver(log=[]))
+
+
+def test_tiered_generate_compiles_once_per_shape():
+    """A runner per `generate` call shares the engine's one-program decode step: a second call of
+    the same shapes compiles nothing (each call compiled it again before, ~1.5 s a call)."""
+    from jax import monitoring
+
+    seed = 9
+    rng = np.random.default_rng(seed)
+    cfg = tiny_config("llama")
+    model = random_model(cfg, seed)
+    prompt = random_prompts(rng, cfg.vocab_size, [int(rng.integers(330, 420))])
+    tier = TierConfig(enabled=True, device_pages=24, prefetch_depth=2, hot_threshold=0)
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, stop_at_eos=False)
+    compiles = []
+    monitoring.register_event_duration_secs_listener(
+        lambda name, secs, **kw: compiles.append(name) if name == "/jax/core/compile/backend_compile_duration" else None)
+    with gj.Engine(model, EngineConfig(**_fused_base(), tier=tier)) as eng:
+        first = eng.generate(prompt, params)
+        assert eng.tier_stats()["fused_decode_steps"] > 0, seed
+        before = len(compiles)
+        again = eng.generate(prompt, params)
+        assert len(compiles) == before, f"seed={seed}: the second generate compiled {len(compiles) - before} programs"
+    assert again.tokens == first.tokens, seed

@@ -149,8 +149,9 @@ def _program(graphdef, host, spec: FusedSpec):
 
 
 class FusedDecode:
-    """Host side of the one-program decode step of a `TieredRunner`: builds the program and serves
-    its callbacks (the runner does the step's bookkeeping afterwards)."""
+    """Host side of the one-program decode step over an engine's `TieredStore`: builds the programs
+    (one per batch shape, kept for the engine's life: `RunContext.program`) and serves their
+    callbacks for the step running (the runner does the step's bookkeeping afterwards)."""
 
     def __init__(self, store: TieredStore, ctx: RunContext):
         self.store = store

@@ -153,7 +153,9 @@ class TieredRunner(PageRunner):
         # sparse.score_distance: digests of keys before rope, queries turned to that distance.
         self.unrope = self.inv_freq if sp.enabled and sp.score_distance > 0 else None
         self.layer_args = [LayerArrays(i, w) for i, w in zip(self.store.layer_ids, self.store.windows)]
-        self.fused = FusedDecode(self.store, ctx)
+        # One per engine, like its programs: a runner per `generate` call must not compile the
+        # one-program step again (it did: ~1.5 s of every tiered `generate`).
+        self.fused = ctx.program(("fused_decode",), lambda: FusedDecode(self.store, ctx))
         self._replaying = 0  # >0 while `_recompute` replays calls (they are already in the write log)
 
     # ---- bookkeeping ----------------------------------------------------------------------------
