@@ -89,7 +89,9 @@ SUBSETS: dict[str, list[Job]] = {
     "exactness": [Job("exactness/exactness", ("experiment=exactness",), 4)],
     # Decode over tiers: emulated links (share x depth x link) and the earlier tiers row (bench rows).
     "tiers": [Job("bench_tiers/bench", ("--rows", "tiers_link,tiers", "--out", "experiments/results/bench_tiers"), 30,
-                  script="bench.py")],
+                  script="bench.py"),
+              # The paths users call: generate and a Session over tiers, per token, at 16K.
+              Job("tiers_generate/tiers_generate", (), 8, script="tiers_generate.py")],
     # Persistent prefixes across processes: time to first token of a 32K prompt, cold vs loaded.
     "prefix": [Job("persistent_prefix/persistent_prefix", (), 4, script="persistent_prefix.py")],
     # Serving over loopback HTTP: 1 / 4 / 16 / 64 streams of 4K prompts, dense vs sparse, a tenant flood.
