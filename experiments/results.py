@@ -78,14 +78,18 @@ SUBSETS: dict[str, list[Job]] = {
         _bpb("bpb_dense_dev", "off", "[2048,4096,8192]", "dev", 12),
     ],
     "fullstack": [Job("fullstack/make_run", (), 3)],
-    # SmolLM2-135M-Instruct (the pretrained GGUF): chat-prompt needle, dense and sparse on the same test trials.
+    # SmolLM2-135M-Instruct (the pretrained GGUF): chat-prompt needle on the same test trials, dense and sparse
+    # up to 8000 tokens (its trained window is 8192: the prompt and the answer stay inside it), and int8 KV
+    # against dense float32 on the trials they share (1K-4K).
     "smollm2": [Job(f"needle/smollm2_{name}_test", ("model=smollm2_135m", "experiment=needle", *over,
-                                                    "experiment.lengths=[1024,2048,4096]",
+                                                    f"experiment.lengths={lengths}",
                                                     f"experiment.depths={DEPTHS5}", "experiment.trials=2",
                                                     "experiment.split=test", f"experiment.out_name=smollm2_{name}_test"),
                     minutes)
-                for name, over, minutes in (("dense", ("sparse=off",), 12),
-                                            ("quest1024", ("sparse=quest", "engine.sparse.budget=1024"), 14))],
+                for name, over, lengths, minutes in (
+                    ("dense", ("sparse=off",), "[1024,2048,4096,8000]", 35),
+                    ("quest1024", ("sparse=quest", "engine.sparse.budget=1024"), "[1024,2048,4096,8000]", 35),
+                    ("int8_dense", ("sparse=off", "engine.cache.dtype=int8"), "[1024,2048,4096]", 15))],
     "exactness": [Job("exactness/exactness", ("experiment=exactness",), 4)],
     # Decode over tiers: emulated links (share x depth x link) and the earlier tiers row (bench rows).
     "tiers": [Job("bench_tiers/bench", ("--rows", "tiers_link,tiers", "--out", "experiments/results/bench_tiers"), 30,
