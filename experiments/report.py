@@ -1,17 +1,13 @@
 """Reports over written results: one ablation sweep's table and plots (the JSON files
-`experiments/ablate.py` writes), or the sparse-vs-dense comparison of the needle and bits-per-byte
-results.
+`experiments/ablate.py` writes).
 
     python experiments/report.py ablate_block_size              # latest sweep of that name
     python experiments/report.py experiments/outputs/multirun/2026-01-01_12-00-00   # a sweep dir
     python experiments/report.py /path/to/dir --results-dir /elsewhere/results
-    python experiments/report.py --sparse-vs-dense              # -> <results-dir>/reports/sparse_vs_dense.md
 
 A name is looked up under `<results-dir>/ablations/<name>/`, taking its most recently written
 sweep; a directory is read as it is. Writes `REPORT.md` (markdown table, notes, links to the
 plots) and one PNG per metric plus `summary.png`, next to the JSON files, and prints where.
-`--sparse-vs-dense` reads `<results-dir>/needle/` and `perplexity/` (gemini_jax.eval.compare);
-nothing is recomputed.
 """
 
 from __future__ import annotations
@@ -211,36 +207,13 @@ def write_report(sweep_dir: str) -> dict:
     return {"md": md_path, **pngs}
 
 
-def write_sparse_vs_dense(results_dir: str) -> int:
-    from gemini_jax.eval.compare import sparse_vs_dense
-
-    try:
-        md = sparse_vs_dense(results_dir)
-    except ValueError as err:
-        raise SystemExit(f"report: {err}") from None
-    path = os.path.join(results_dir, "reports", "sparse_vs_dense.md")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as fh:
-        fh.write(md)
-    print(md, end="")
-    print(f"wrote {path}")
-    return 0
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("sweep", nargs="?", help="a sweep directory, or a sweep name (e.g. ablate_block_size)")
+    p.add_argument("sweep", help="a sweep directory, or a sweep name (e.g. ablate_block_size)")
     p.add_argument("--results-dir", default=DEFAULT_RESULTS,
                    help="where the results were written (default: experiments/results)")
-    p.add_argument("--sparse-vs-dense", action="store_true",
-                   help="instead of a sweep: tables of sparse vs dense needle accuracy and bits per byte, "
-                        "written to <results-dir>/reports/sparse_vs_dense.md")
     args = p.parse_args(argv)
-    if args.sparse_vs_dense == (args.sweep is not None):
-        p.error("give either a sweep (directory or name) or --sparse-vs-dense")
-    if args.sparse_vs_dense:
-        return write_sparse_vs_dense(args.results_dir)
     sweep_dir = find_sweep(args.sweep, args.results_dir)
     paths = write_report(sweep_dir)
     with open(paths["md"]) as fh:

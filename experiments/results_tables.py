@@ -18,7 +18,6 @@ from gemini_jax.eval.intervals import mean_t95, paired_difference, wilson
 
 # docs/architecture.md §9: every committed result records these
 REQUIRED = ("command", "config", "commit", "split", "seeds")
-LEGACY = "legacy"  # experiments/results/legacy/: files from before records carried them (its README lists each)
 NEEDLE_GOAL = 0.95  # needle exact match at 8K and 32K with compact positions (the shipped presets' goal)
 COMMIT = re.compile(r"^[0-9a-f]{40}$")
 DOC = os.path.join("docs", "results.md")  # the page the blocks live in, relative to the checkout
@@ -50,20 +49,17 @@ def record_problems(record) -> list[str]:
 GPU = "gpu"
 
 
-def result_files(results_dir: str) -> tuple[list[str], list[str]]:
-    """(current JSON records, legacy files) under results_dir, as paths relative to it."""
-    current, legacy = [], []
+def result_files(results_dir: str) -> list[str]:
+    """The JSON records under results_dir, as paths relative to it."""
+    current = []
     for dirpath, _, files in os.walk(results_dir):
         for f in files:
             rel = os.path.relpath(os.path.join(dirpath, f), results_dir)
             if rel.split(os.sep)[0] == GPU:  # device records: their README says how they were made
                 continue
-            if rel.split(os.sep)[0] == LEGACY:
-                if f != "README.md" and f.endswith((".json", ".md")):
-                    legacy.append(rel)
-            elif f.endswith(".json"):
+            if f.endswith(".json"):
                 current.append(rel)
-    return sorted(current), sorted(legacy)
+    return sorted(current)
 
 
 # ---- rendering ------------------------------------------------------------------------------
@@ -93,12 +89,6 @@ def _commits(recs) -> str:
     return ", ".join(f"`{c}`" for c in seen) if seen else "—"
 
 
-# The dev trials the `extrapolate_rerank` knobs were chosen on, as measured before records carried
-# their commit (same preset, seed 0, 10 depths x 10 / x 5 trials): shown until a dev rerun exists.
-LEGACY_DEV = {("rerank", "8k"): "legacy/needle/needle_compact_1536_8k_100_rerank2",
-              ("rerank", "32k"): "legacy/needle/needle_compact_1536_32k_50_rerank2"}
-
-
 def needle_block(results_dir: str) -> str:
     rows = ["| preset | context | test trials: exact match [95% Wilson] | dev trials (knobs chosen here) | "
             "goal ≥ 95% (test estimate) | files |", "|---|---|---|---|---|---|"]
@@ -111,13 +101,6 @@ def needle_block(results_dir: str) -> str:
             for rec in (test, dev):
                 bl = rec["by_length"][0] if rec else None
                 cells.append(_pct(bl["hits"], bl["trials"]) if bl else _missing("needle"))
-            if dev is None and (key, tag) in LEGACY_DEV:  # the tuning trials as first measured
-                old = _load(results_dir, LEGACY_DEV[key, tag])
-                if old:
-                    n = old["trials"] * len(old["depths"])
-                    hits = int(round(sum(old["accuracy"][0]) * old["trials"]))
-                    cells[1] = (f"{_pct(hits, n)}, [earlier commit]({LINK_BASE}/{LEGACY_DEV[key, tag]}.md) "
-                                f"(not rerun here yet)")
             met = "—"
             if test:
                 bl = test["by_length"][0]

@@ -175,8 +175,6 @@ SAMPLERS = {"sample", "sample_with", "token_keys", "keys_from"}
 def _py_files(root, dirs):
     for d in dirs:
         for dirpath, _, files in os.walk(os.path.join(root, d)):
-            if "legacy" in dirpath.split(os.sep):
-                continue
             for f in sorted(files):
                 if f.endswith(".py"):
                     yield os.path.relpath(os.path.join(dirpath, f), root)
@@ -241,7 +239,7 @@ def test_boundary_check_finds_each_planted_violation(tmp_path):
         root = tmp_path / rule
         for d in ("gemini_jax", "experiments"):
             shutil.copytree(os.path.join(ROOT, d), root / d,
-                            ignore=shutil.ignore_patterns("assets", "results", "legacy", "__pycache__"))
+                            ignore=shutil.ignore_patterns("assets", "results", "__pycache__"))
         with open(root / rel, "a") as f:
             f.write(code)
         found = boundary_violations(str(root))

@@ -44,7 +44,7 @@ def _git(*args) -> subprocess.CompletedProcess:
 
 
 def test_every_current_result_file_records_command_config_commit_split_and_seeds():
-    current, _ = rt.result_files(RESULTS)
+    current = rt.result_files(RESULTS)
     assert current, "no result records under experiments/results/"
     bad = {}
     for rel in current:
@@ -52,7 +52,7 @@ def test_every_current_result_file_records_command_config_commit_split_and_seeds
             problems = rt.record_problems(json.load(fh))
         if problems:
             bad[rel] = problems
-    assert not bad, f"result files without provenance (move pre-record files to legacy/ with a note): {bad}"
+    assert not bad, f"result files without provenance: {bad}"
 
 
 def test_result_commits_are_in_this_history():
@@ -60,7 +60,7 @@ def test_result_commits_are_in_this_history():
         pytest.skip("not a git checkout: commits cannot be looked up")
     if _git("rev-parse", "--is-shallow-repository").stdout.strip() == "true":
         pytest.skip("shallow clone: older commits are not here")
-    current, _ = rt.result_files(RESULTS)
+    current = rt.result_files(RESULTS)
     for rel in current:
         with open(os.path.join(RESULTS, rel)) as fh:
             commit = json.load(fh)["commit"]
@@ -81,14 +81,6 @@ def test_record_problems_name_each_planted_defect():
     for name, (rec, want) in planted.items():
         problems = rt.record_problems(rec)
         assert any(want in p for p in problems), (name, problems)
-
-
-def test_legacy_files_are_each_listed_in_its_readme():
-    _, legacy = rt.result_files(RESULTS)
-    with open(os.path.join(RESULTS, rt.LEGACY, "README.md")) as fh:
-        listed = set(l.split("`")[1] for l in fh if l.startswith("| `"))
-    here = {os.path.relpath(p, rt.LEGACY) for p in legacy}
-    assert here == listed, {"unlisted": sorted(here - listed), "listed but absent": sorted(listed - here)}
 
 
 def test_results_page_tables_are_what_the_files_render_to():

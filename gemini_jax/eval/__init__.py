@@ -5,8 +5,7 @@ Re-exported here: the needle grid, bits per byte, digest recall and the needle r
 not re-exported: `ruler` (the RULER-style suite: `from gemini_jax.eval.ruler import ruler`; kept
 out so that a job which does not run the suite does not import, and depend on, its code: a result
 record lists the code its job ran, `record.code_files`), `studies` (the workloads
-`experiments/run.py experiment=<study>` runs), `record` (the one result record they write) and
-`compare` (the sparse-vs-dense report).
+`experiments/run.py experiment=<study>` runs) and `record` (the one result record they write).
 """
 
 from gemini_jax.eval.needle import NeedleResult, is_correct, needle
