@@ -17,10 +17,22 @@ import glob
 import json
 import math
 import os
+import subprocess
 import sys
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_RESULTS = os.path.join(HERE, "results")
+
+# A sweep small enough to run where none is on disk (notebook 02, the tests): every phase of a job
+# (decode timing, needle, bits per byte) shrunk to a few seconds, two block sizes.
+SMALL_WORKLOAD = (
+    "experiment.workload.prompt_tokens=64", "experiment.workload.decode_tokens=8",
+    "experiment.workload.decode_repeats=2", "experiment.workload.needle_length=128",
+    "experiment.workload.needle_trials=2", "experiment.workload.bpb_context=128",
+    "experiment.workload.bpb_windows=1", "experiment.workload.bpb_scored=16", "engine.max_seq_len=256",
+)
+SMALL_SWEEP = ("experiment=ablate_block_size", "engine.cache.block_size=16,64")
 
 # (metric key, column / axis label, format) in report order.
 METRICS = [
@@ -205,6 +217,25 @@ def write_report(sweep_dir: str) -> dict:
     with open(md_path, "w") as fh:
         fh.write(markdown(records, sweep_dir, pngs))
     return {"md": md_path, **pngs}
+
+
+def run_small_sweep(out_dir: str) -> str:
+    """Run `ablate.py --multirun` over SMALL_SWEEP at SMALL_WORKLOAD sizes into `out_dir/sweep` (wandb
+    offline under out_dir unless WANDB_MODE says otherwise) and return that sweep directory. About a
+    minute on 2 CPU cores; the figures are a demonstration of the tooling, not measurements."""
+    sweep = os.path.join(out_dir, "sweep")
+    env = dict(os.environ, WANDB_MODE=os.environ.get("WANDB_MODE", "offline"), WANDB_SILENT="true")
+    for key in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
+        env.setdefault(key, os.path.join(out_dir, key.lower()))
+    cmd = [sys.executable, os.path.join(HERE, "ablate.py"), "--multirun", *SMALL_SWEEP, *SMALL_WORKLOAD,
+           f"hydra.sweep.dir={sweep}", f"wandb.dir={os.path.join(out_dir, 'wandb')}"]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=os.path.dirname(HERE), env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    print(f"ran a small sweep in {time.perf_counter() - t0:.0f} s: python experiments/ablate.py --multirun "
+          f"{' '.join(SMALL_SWEEP)} (toy sizes) -> {sweep}")
+    return sweep
 
 
 def main(argv=None) -> int:

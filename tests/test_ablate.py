@@ -19,14 +19,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ABLATE = os.path.join(ROOT, "experiments", "ablate.py")
 REPORT = os.path.join(ROOT, "experiments", "report.py")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+sys.path.insert(0, os.path.dirname(REPORT))
+import report  # noqa: E402  (experiments/report.py)
 
-# Shrinks every phase of a job (decode timing, needle, bits/byte) to a few seconds.
-TINY_WORKLOAD = [
-    "experiment.workload.prompt_tokens=64", "experiment.workload.decode_tokens=8",
-    "experiment.workload.decode_repeats=2", "experiment.workload.needle_length=128",
-    "experiment.workload.needle_trials=2", "experiment.workload.bpb_context=128",
-    "experiment.workload.bpb_windows=1", "experiment.workload.bpb_scored=16", "engine.max_seq_len=256",
-]
+TINY_WORKLOAD = list(report.SMALL_WORKLOAD)  # every phase of a job shrunk to a few seconds
 
 
 def sandbox_env(tmp) -> dict:

@@ -1,7 +1,7 @@
 """The notebooks execute headless, top to bottom, with the venv's python3 kernel (nbclient).
 
 01_tour runs as shipped (small sizes); 02_ablations plots a tiny real sweep (run by
-test_ablate's helper, shared within a session). wandb is offline and every wandb directory
+test_ablate's helper, shared within a session), and runs its own when told to (a fresh clone has none). wandb is offline and every wandb directory
 lives under the test's temporary directory. Runtimes are printed, not asserted (timed tests
 would fail on a loaded machine); each notebook takes well under a minute on 2 CPU cores.
 """
@@ -76,6 +76,16 @@ def test_ablations_notebook(kernel_env, monkeypatch, tmp_path_factory):
     text, images = outputs(nb)
     assert "over engine.cache.block_size = [16, 64]" in text
     assert str(sweep) in text
+    assert images >= 2  # metrics, counters
+
+
+def test_ablations_notebook_runs_a_sweep_when_none_is_on_disk(kernel_env, monkeypatch, tmp_path):
+    monkeypatch.setenv("GJ_SWEEP", "run")  # what a fresh clone gets: nothing under experiments/results/ablations
+    monkeypatch.setenv("GJ_SWEEP_OUT", str(tmp_path / "nb"))
+    nb = execute("02_ablations.ipynb")
+    text, images = outputs(nb)
+    assert "ran a small sweep" in text and str(tmp_path / "nb" / "sweep") in text, text[-2000:]
+    assert "over engine.cache.block_size = [16, 64]" in text
     assert images >= 2  # metrics, counters
 
 
