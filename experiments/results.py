@@ -112,7 +112,10 @@ SUBSETS: dict[str, list[Job]] = {
     "ruler": [Job("ruler/calibration", ("calibrate=true",), 10, script="ruler_grid.py"),
               Job("ruler/grid", (), 50, script="ruler_grid.py")],
     "decode": [Job("bench_decode/bench", ("--rows", "decode_steps_vs_hf,decode_bandwidth",
-                                          "--out", "experiments/results/bench_decode"), 35, script="bench.py")],
+                                          "--out", "experiments/results/bench_decode"), 35, script="bench.py"),
+               # The pretrained model against transformers on the same GGUF, as a fraction of the bound.
+               Job("bench_smollm2/bench", ("--rows", "smollm2_decode", "--out", "experiments/results/bench_smollm2"),
+                   15, script="bench.py")],
 }
 # Quantized KV on the test trials the float32 records hold (the first trials of each cell, the first
 # windows of each context: the same prompts), paired with them by results_tables.kv_quant_block.
