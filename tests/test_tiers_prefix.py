@@ -113,6 +113,51 @@ def test_a_failed_write_leaves_nothing_visible(tmp_path):
         np.testing.assert_array_equal(st.get(hs[2]), _page(hs[2]))
 
 
+def test_put_many_writes_consecutive_slots_once_and_skips_stored_hashes(tmp_path):
+    hs = _hashes(5)
+    with PrefixStore(str(tmp_path), FP, SPEC) as st:
+        st.put(hs[0], _page(hs[0]))
+        batch = [hs[1], hs[0], hs[2], hs[1], hs[3]]  # one already stored, one twice
+        assert st.put_many(batch, np.stack([_page(h) for h in batch])) == 3
+        assert [st.index[h][0] for h in hs[:4]] == [0, 1, 2, 3]
+        os.makedirs(_chunk(st, st._next + 1))  # the second page of the next batch cannot be written
+        with pytest.raises(TierError, match="Nothing of the page is visible"):
+            st.put_many(hs[4:] + [hs[4] + 1], np.stack([_page(hs[4]), _page(hs[4] + 1)]))
+        assert hs[4] not in st and hs[4] + 1 not in st  # the whole batch, not the first page only
+    with PrefixStore(str(tmp_path), FP, SPEC) as st:
+        assert len(st) == 4
+        np.testing.assert_array_equal(st.get_many(hs[:4])[0], np.stack([_page(h) for h in hs[:4]]))
+
+
+def test_a_store_keeps_the_checksum_its_index_names(tmp_path):
+    """A store created with blake2b (as stores were before xxh3) is read and verified with it; new
+    ones use xxh3; a header naming a checksum this version does not know is refused by name."""
+    hs = _hashes(3)
+    with PrefixStore(str(tmp_path), FP, SPEC, checksum="blake2b-128") as st:
+        st.put(hs[0], _page(hs[0]))
+        log = os.path.join(st.path, "index.log")
+    with PrefixStore(str(tmp_path), FP, SPEC) as st:  # the default would be xxh3: the index says blake2b
+        assert st.checksum == "blake2b-128"
+        st.put(hs[1], _page(hs[1]))
+        np.testing.assert_array_equal(st.get_many(hs[:2])[0], np.stack([_page(h) for h in hs[:2]]))
+        chunk = _chunk(st, st.index[hs[1]][0])
+    raw = bytearray(open(chunk, "rb").read())
+    raw[5] ^= 0x01
+    open(chunk, "wb").write(bytes(raw))
+    with PrefixStore(str(tmp_path), FP, SPEC) as st:
+        with pytest.raises(IntegrityError, match="checksum"):
+            st.get(hs[1])
+    with PrefixStore(str(tmp_path / "new"), FP, SPEC) as st:
+        assert st.checksum == "xxh3-128"
+    head = bytearray(open(log, "rb").read())
+    head[12] = 7  # the checksum id field of the header
+    open(log, "wb").write(bytes(head))
+    with pytest.raises(TierError, match="checksum id 7"):
+        PrefixStore(str(tmp_path), FP, SPEC)
+    with pytest.raises(ValueError, match="checksum="):
+        PrefixStore(str(tmp_path / "other"), FP, SPEC, checksum="md5")
+
+
 def test_torn_index_tail_is_trimmed_on_open(tmp_path):
     hs = _hashes(4)
     with PrefixStore(str(tmp_path), FP, SPEC) as st:

@@ -76,15 +76,13 @@ def persist(ctx: RunContext, sid: int) -> int:
     k, v, dig = ctx.store.gather([seq.pages[i] for i, _ in todo])
     if isinstance(k, kvquant.QuantPages):  # one byte array a page, scales included
         k, v = kvquant.pack(k), kvquant.pack(v)
-    done = 0
-    for j, (_, h) in enumerate(todo):
-        try:
-            store.put(h, np.stack([k[:, :, j], v[:, :, j]]), None if dig is None else dig[:, :, j])
-        except TierError as err:
-            store.failure = err
-            break
-        done += 1
-    return done
+    # One write of every page, then one index append: a shard or file is written once, not per page.
+    pages = np.stack([k, v]).transpose(3, 0, 1, 2, 4, 5)  # [2, L, K, n, S, row] -> [n, 2, L, K, S, row]
+    try:
+        return store.put_many([h for _, h in todo], pages, None if dig is None else np.moveaxis(dig, 2, 0))
+    except TierError as err:
+        store.failure = err
+        return 0
 
 
 def _text_blocks(ctx: RunContext, tokens) -> int:

@@ -10,8 +10,8 @@ open.
     pages.zarr   zarr3 [capacity, 2, layers, kv_heads, block_size, row], one chunk per slot (row:
                  head_dim numbers, or a quantized vector's bytes and scale: `PageSpec.row`)
     digests.zarr the pages' selection digests [capacity, layers, kv_heads, rows, head_dim] (sparse)
-    index.log    append-only records (block hash, slot, checksum of the slot's bytes), each with
-                 its own CRC
+    index.log    a header naming the checksum its records use, then append-only records (block
+                 hash, slot, checksum of the slot's bytes), each with its own CRC
 
 NOTE invariants:
   * a record is appended only after its slot's bytes are written, so a hash that can be found
@@ -36,6 +36,7 @@ from typing import Optional
 
 import numpy as np
 import tensorstore as ts
+import xxhash
 
 from gemini_jax.errors import IntegrityError
 from gemini_jax.tiers.errors import TierError
@@ -43,9 +44,21 @@ from gemini_jax.tiers.page import PageSpec
 from gemini_jax.tiers.record_log import LogFormat, RecordLog
 
 _MAGIC = b"GJPFXLG1"
-FORMAT = LogFormat(header=_MAGIC + struct.pack("<II", 1, 0),
-                   body=struct.Struct("<QI16s"),  # block hash, slot, checksum of the slot's bytes
-                   name="the prefix index", remedy="remove the directory.")
+# The checksum of a slot's bytes, by the id the index header records: a store keeps the one it was
+# created with, and a header naming another is refused on open. xxh3-128 hashes at memory speed
+# (about 18 GB/s a core here), so verifying a loaded prefix costs little next to reading it;
+# blake2b-128 (0.7-0.9 GB/s a core) is what stores created before it use.
+CHECKSUMS = {0: "blake2b-128", 1: "xxh3-128"}
+CHECKSUM = 1  # new stores
+
+
+def _format(checksum: int) -> LogFormat:
+    return LogFormat(header=_MAGIC + struct.pack("<II", 1, checksum),  # magic, version, checksum id
+                     body=struct.Struct("<QI16s"),  # block hash, slot, checksum of the slot's bytes
+                     name="the prefix index", remedy="remove the directory.")
+
+
+FORMAT = _format(CHECKSUM)
 RECORD_BYTES = FORMAT.record_bytes  # 32
 CAPACITY = 1 << 24  # slots the array can address (chunks are files: only written slots take space)
 
@@ -56,13 +69,36 @@ def fingerprint_id(fingerprint: dict) -> str:
     return hashlib.blake2b(blob, digest_size=8).hexdigest()
 
 
-def slot_digest(block_hash: int, data: np.ndarray, digests: Optional[np.ndarray] = None) -> bytes:
-    h = hashlib.blake2b(digest_size=16, person=b"gj-kv-prefix")
+def slot_digest(block_hash: int, data: np.ndarray, digests: Optional[np.ndarray] = None,
+                checksum: int = CHECKSUM) -> bytes:
+    """The 16-byte checksum (`CHECKSUMS[checksum]`) of a slot: its block hash, page and digests."""
+    if checksum == 1:
+        h = xxhash.xxh3_128()
+        h.update(b"gj-kv-prefix")
+    else:
+        h = hashlib.blake2b(digest_size=16, person=b"gj-kv-prefix")
     h.update(int(block_hash).to_bytes(8, "little"))
     h.update(np.ascontiguousarray(data).view(np.uint8).data)
     if digests is not None:
         h.update(np.ascontiguousarray(digests).view(np.uint8).data)
     return h.digest()
+
+
+def _recorded_checksum(log_path: str, default: int) -> int:
+    """The checksum id the index at `log_path` was created with (`default` for a new one). A header
+    that is not ours is left to `RecordLog` to refuse; an unknown id is refused here, by name."""
+    try:
+        with open(log_path, "rb") as fh:
+            head = fh.read(len(FORMAT.header))
+    except FileNotFoundError:
+        return default
+    if len(head) < len(FORMAT.header) or not head.startswith(_MAGIC):
+        return default
+    checksum = struct.unpack_from("<II", head, len(_MAGIC))[1]
+    if checksum not in CHECKSUMS:
+        raise TierError(f"the prefix index {log_path!r} uses checksum id {checksum}, which this version does not "
+                        f"know (it knows {CHECKSUMS}); remove the directory.")
+    return checksum
 
 
 def _zarr(path: str, shape, dtype: str, fsync: bool):
@@ -76,10 +112,11 @@ def _zarr(path: str, shape, dtype: str, fsync: bool):
 class PrefixStore:
     """Open (or create) the store for `fingerprint` under `root`; pages of `spec`'s layout
     (`num_pages` is ignored: slots are the store's own), with digests of `digest_shape`
-    [layers, kv_heads, rows, head_dim] in `digest_dtype` (None: no digests)."""
+    [layers, kv_heads, rows, head_dim] in `digest_dtype` (None: no digests). A new store checksums
+    its pages with `checksum` (a name in `CHECKSUMS`); an existing one keeps the one its index names."""
 
     def __init__(self, root: str, fingerprint: dict, spec: PageSpec, *, digest_shape=None, digest_dtype=None,
-                 fsync: bool = False):
+                 fsync: bool = False, checksum: str = CHECKSUMS[CHECKSUM]):
         self.spec, self.fsync = spec, fsync
         self.digest_shape = None if digest_shape is None else tuple(int(x) for x in digest_shape)
         self.shape = (2, spec.num_layers, spec.kv_heads, spec.block_size, spec.row)
@@ -89,7 +126,12 @@ class PrefixStore:
         except OSError as e:
             raise TierError(f"cannot create the prefix store {self.path!r}: {e.strerror} (errno {e.errno}).") from e
         self._check_meta(fingerprint)
-        self._log = RecordLog(os.path.join(self.path, "index.log"), FORMAT, fsync=fsync)
+        ids = {name: i for i, name in CHECKSUMS.items()}
+        if checksum not in ids:
+            raise ValueError(f"checksum={checksum!r} must be one of {sorted(ids)}.")
+        log = os.path.join(self.path, "index.log")
+        self._checksum = _recorded_checksum(log, ids[checksum])
+        self._log = RecordLog(log, _format(self._checksum), fsync=fsync)
         self.torn_records = self._log.torn_records
         self.index: dict[int, tuple[int, bytes]] = {}  # block hash -> (slot, checksum)
         self._next = 0
@@ -139,6 +181,11 @@ class PrefixStore:
     def __len__(self) -> int:
         return len(self.index)
 
+    @property
+    def checksum(self) -> str:
+        """The checksum this store's index records (`CHECKSUMS`)."""
+        return CHECKSUMS[self._checksum]
+
     def prefix_length(self, hashes) -> int:
         """How many of the leading `hashes` (a prompt's full pages, in order) the store holds."""
         n = 0
@@ -152,31 +199,50 @@ class PrefixStore:
         """Store one page, all layers: `data` [2, layers, kv_heads, block_size, head_dim] (k, v),
         and its `digests` (when the store keeps them). Returns False when the hash is already
         stored. Raises TierError when the write fails; nothing of it is then visible."""
-        block_hash = int(block_hash)
-        if block_hash in self.index:
-            return False
-        data = np.ascontiguousarray(data)
-        if data.shape != self.shape or data.dtype != self.spec.np_dtype:
-            raise ValueError(f"prefix page {data.shape} {data.dtype} must be {self.shape} of {self.spec.np_dtype} "
-                             f"(a {self.spec.dtype} page as stored).")
-        slot = self._next
-        self._next += 1  # a failed slot is never reused: a half-written chunk stays unreachable
+        return self.put_many([block_hash], data[None], None if digests is None else digests[None]) == 1
+
+    def put_many(self, hashes, data: np.ndarray, digests: Optional[np.ndarray] = None) -> int:
+        """Store pages `data` [n, 2, layers, kv_heads, block_size, head_dim] under `hashes`, with
+        their `digests` [n, ...] (when the store keeps them), skipping hashes already stored; returns
+        how many were written. The new pages take consecutive fresh slots, written in one write per
+        array, then indexed in one append. Raises TierError when the write fails; nothing of those
+        pages is then visible."""
+        hashes = [int(h) for h in hashes]
+        data = np.asarray(data)
+        if data.shape != (len(hashes), *self.shape) or data.dtype != self.spec.np_dtype:
+            raise ValueError(f"prefix pages {data.shape} {data.dtype} must be {(len(hashes), *self.shape)} of "
+                             f"{self.spec.np_dtype} ({len(hashes)} {self.spec.dtype} pages as stored).")
         if (digests is None) != (self._digests is None):
             raise ValueError(f"prefix page digests {'missing' if digests is None else 'given'}: this store keeps "
                              f"{'digests' if self._digests is not None else 'none'}.")
-        digest = slot_digest(block_hash, data, digests)
+        seen, keep = set(self.index), []
+        for i, h in enumerate(hashes):
+            if h not in seen:
+                seen.add(h)
+                keep.append(i)
+        if not keep:
+            return 0
+        data = np.ascontiguousarray(data[keep])
+        if digests is not None:
+            digests = np.ascontiguousarray(np.asarray(digests, self._digests.dtype.numpy_dtype)[keep])
+        first, n = self._next, len(keep)
+        self._next += n  # failed slots are never reused: a half-written chunk stays unreachable
+        records = [(hashes[i], first + j, slot_digest(hashes[i], data[j], None if digests is None else digests[j],
+                                                      self._checksum)) for j, i in enumerate(keep)]
         try:
-            writes = [self._array[slot].write(data)]
+            writes = [self._array[first:first + n].write(data)]
             if digests is not None:
-                writes.append(self._digests[slot].write(np.asarray(digests, self._digests.dtype.numpy_dtype)))
+                writes.append(self._digests[first:first + n].write(digests))
             for w in writes:
                 w.result()
         except ValueError as e:
-            raise TierError(f"prefix store write failed at {self.path!r}: {e}. Nothing of the page is visible.") from e
-        self._log.append([(block_hash, slot, digest)])
-        self.index[block_hash] = (slot, digest)
-        self.pages_written += 1
-        return True
+            raise TierError(f"prefix store write failed at {self.path!r}: {e}. Nothing of the page is visible "
+                            f"({n} written together).") from e
+        self._log.append(records)
+        for block, slot, digest in records:
+            self.index[block] = (slot, digest)
+        self.pages_written += n
+        return n
 
     def get(self, block_hash: int) -> np.ndarray:
         """The page stored under `block_hash`, verified. KeyError if none; IntegrityError if its
@@ -197,11 +263,12 @@ class PrefixStore:
         dig = None if self._digests is None else _read_runs(self._digests, runs)
 
         def failed_in(part: range) -> list[int]:
-            return [i for i in part
-                    if slot_digest(hashes[i], out[i], None if dig is None else dig[i]) != self.index[hashes[i]][1]]
+            return [i for i in part if slot_digest(hashes[i], out[i], None if dig is None else dig[i],
+                                                   self._checksum) != self.index[hashes[i]][1]]
 
         # blake2b releases the GIL on large buffers: the pages' checksums are verified on every core,
         # one contiguous share of the pages per core (a task per page costs a third more here).
+        # (xxh3 needs none of it; the shares cost it nothing either.)
         cores = os.cpu_count() or 1
         shares = [range(len(hashes) * c // cores, len(hashes) * (c + 1) // cores) for c in range(cores)]
         with concurrent.futures.ThreadPoolExecutor(max_workers=cores) as pool:
