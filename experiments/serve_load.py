@@ -11,6 +11,11 @@ tokens (compiling its shapes), then `--repeats` timed rounds over the levels; ea
 median over rounds. All streams of a level are sent at once and the step budget covers all their
 prompts (`serve.step_tokens`), so they are prefilled together and then decode together: decode
 throughput is the output tokens per second while every stream decodes (client-side timestamps).
+Bytes: the server's own counters (`/metrics`: `kv_bytes_read`, `digest_bytes_read`, `decode_steps`)
+are read before and after each timed round; with the model's weight bytes once per decode step they
+give the bytes each output token cost, and with the memory bandwidth measured at the start of this
+run the ceiling: the decode tokens/s if every decode step read its bytes at that bandwidth. The
+table prints the decode tokens/s as a fraction of that ceiling.
 Flood: an untimed rehearsal first (a tenant with no pool limit floods in A's place while B sends
 other prompts), compiling the batch sizes, table widths and swap sizes the flood meets; then
 `--flood-rounds` rounds, each: tenant B sends `--flood-b` requests one after another alone (solo
@@ -91,7 +96,36 @@ def _prompts(held, rng, n: int, length: int) -> list:
     return [held[s:s + length].astype(np.int32).tolist() for s in starts]
 
 
-def run_load(args, held, workdir) -> tuple[list, dict]:
+DECODE_COUNTERS = ("kv_bytes_read", "digest_bytes_read", "decode_steps")
+
+
+def _scrape(server) -> dict:
+    """The server's decode byte counters, from its `/metrics` (Prometheus text)."""
+    import httpx
+
+    text = httpx.get(server.url + "/metrics", timeout=30, headers={"authorization": "Bearer sk-b"}).text
+    out = {}
+    for line in text.splitlines():
+        for name in DECODE_COUNTERS:
+            if line.startswith(f"gemini_jax_engine_{name}_total "):
+                out[name] = float(line.split()[1])
+    if set(out) != set(DECODE_COUNTERS):
+        raise SystemExit(f"serve_load: {server.url}/metrics lacks {sorted(set(DECODE_COUNTERS) - set(out))}")
+    return out
+
+
+def decode_bytes(before: dict, after: dict, weight_bytes: int, decode_tokens: int, bandwidth_gbs: float) -> dict:
+    """Bytes per output token of a round's decode steps (KV + digests from the counters, weights
+    once per step) and the decode tokens/s ceiling at `bandwidth_gbs`."""
+    d = {k: after[k] - before[k] for k in DECODE_COUNTERS}
+    total = d["kv_bytes_read"] + d["digest_bytes_read"] + d["decode_steps"] * weight_bytes
+    per_token = total / decode_tokens if decode_tokens else None
+    return {"decode_steps": d["decode_steps"], "kv_bytes": d["kv_bytes_read"], "digest_bytes": d["digest_bytes_read"],
+            "weight_bytes": d["decode_steps"] * weight_bytes, "bytes_per_token": per_token,
+            "ceiling_tokens_per_s": bandwidth_gbs * 1e9 / per_token if per_token else None}
+
+
+def run_load(args, held, workdir, weight_bytes: int, bandwidth_gbs: float) -> tuple[list, dict]:
     from gemini_jax.serve.load import run_streams, summarize
 
     levels = [int(x) for x in args.levels.split(",")]
@@ -111,17 +145,25 @@ def run_load(args, held, workdir) -> tuple[list, dict]:
                 for c in levels:
                     rng = np.random.default_rng([args.seed, 1, rep, c])
                     t0 = time.time()
+                    before = _scrape(server)
                     res = asyncio.run(run_streams(server.url, _prompts(held, rng, c, args.prompt),
                                                   max_tokens=args.max_tokens, model=MODEL_ID))
                     s = summarize(res)
                     lost = [r for r in res if r.error or len(r.token_times) != args.max_tokens]
                     s["lost"] = len(lost)
+                    # Every output token after a stream's first comes from a decode step.
+                    b = decode_bytes(before, _scrape(server), weight_bytes,
+                                     sum(max(len(r.token_times) - 1, 0) for r in res), bandwidth_gbs)
+                    s["bytes_per_token"], s["ceiling_tokens_per_s"] = b["bytes_per_token"], b["ceiling_tokens_per_s"]
+                    s["of_ceiling"] = (s["decode_tokens_per_s"] / b["ceiling_tokens_per_s"]
+                                       if s["decode_tokens_per_s"] and b["ceiling_tokens_per_s"] else None)
+                    s["decode_counters"] = b
                     rounds[c].append(s)
                     print(f"serve_load: {mode} round {rep} {c:>3} streams: {time.time() - t0:.1f} s, "
-                          f"decode {s['decode_tokens_per_s'] or 0:.1f} tok/s, tpot p99 {s['tpot_p99'] or 0:.3f} s, "
-                          f"lost {len(lost)}", flush=True)
+                          f"decode {s['decode_tokens_per_s'] or 0:.1f} tok/s ({s['of_ceiling'] or 0:.0%} of the "
+                          f"bandwidth ceiling), tpot p99 {s['tpot_p99'] or 0:.3f} s, lost {len(lost)}", flush=True)
             for c in levels:
-                counts = ("streams", "failed", "output_tokens", "lost")
+                counts = ("streams", "failed", "output_tokens", "lost", "decode_counters")
                 med = {k: _median([r[k] for r in rounds[c]]) for k in rounds[c][0] if k not in counts}
                 rows.append({"mode": mode, "streams": c, **med, "failed": sum(r["failed"] for r in rounds[c]),
                              "lost": sum(r["lost"] for r in rounds[c]), "rounds": rounds[c]})
@@ -243,6 +285,7 @@ def main() -> None:
     ap.add_argument("--flood-prompt", type=int, default=1024)
     ap.add_argument("--flood-tokens", type=int, default=16)
     ap.add_argument("--skip-flood", action="store_true")
+    ap.add_argument("--bw-mib", type=int, default=512, help="array size of the bandwidth measurement")
     ap.add_argument("--out", default=os.path.join("experiments", "results"))
     a = ap.parse_args()
     sys.path.insert(0, ROOT)
@@ -250,8 +293,17 @@ def main() -> None:
     from gemini_jax.eval.record import StudyResult, make_record, write_record
 
     _, held = corpus.load_split("heldout")
+    from benchlib.machine import measure_bandwidth
+    from benchlib.rows.decode_steps import weight_bytes_per_step
+
+    import gemini_jax as gj
+
+    bandwidth = measure_bandwidth(a.bw_mib, 5)
+    weight_bytes = weight_bytes_per_step(gj.load_tiny(), 1)
+    print(f"serve_load: memory bandwidth {bandwidth['reference_gbs']} GB/s ({bandwidth['reference']}), "
+          f"weights {weight_bytes / 2**20:.1f} MiB per decode step", flush=True)
     with tempfile.TemporaryDirectory(prefix="gj_serve_load_") as work:
-        rows, commands = run_load(a, held, work)
+        rows, commands = run_load(a, held, work, weight_bytes, bandwidth["reference_gbs"])
         flood, flood_cmd = (None, None) if a.skip_flood else run_flood(a, held, work)
     by = {(r["mode"], r["streams"]): r for r in rows}
     summary = {}
@@ -270,7 +322,8 @@ def main() -> None:
     summary["lost"] = sum(r["lost"] for r in rows) + (flood["lost"] if flood else 0)
     cmd = " ".join(["python experiments/serve_load.py", *sys.argv[1:]])
     config = {"levels": a.levels, "prompt_tokens": a.prompt, "max_tokens": a.max_tokens, "repeats": a.repeats,
-              "model": "shipped tiny", "server_commands": commands, "flood_command": flood_cmd,
+              "model": "shipped tiny", "server_commands": commands, "bandwidth": bandwidth,
+              "weight_bytes_per_decode_step": weight_bytes, "flood_command": flood_cmd,
               "flood": {"a_streams": a.flood_a, "b_requests": a.flood_b, "rounds": a.flood_rounds,
                         "prompt_tokens": a.flood_prompt,
                         "max_tokens": a.flood_tokens}}
@@ -288,10 +341,14 @@ def markdown(rec: dict) -> str:
     mark = lambda ok: "✓" if ok else "✗"  # noqa: E731
     ms = lambda v: "–" if v is None else f"{v * 1000:.0f} ms"  # noqa: E731
     rate = lambda v: "–" if v is None else f"{v:.1f}"  # noqa: E731
-    rows = ["| attention | streams | decode tok/s (all decoding) | tok/s (whole run) | TTFT p50 | TTFT p99 | "
-            "time/token p50 | time/token p99 |", "|---|---|---|---|---|---|---|---|"]
+    rows = ["| attention | streams | decode tok/s (all decoding) | of bandwidth ceiling | bytes / output token | "
+            "tok/s (whole run) | TTFT p50 | TTFT p99 | time/token p50 | time/token p99 |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    pct = lambda v: "–" if v is None else f"{v:.0%}"  # noqa: E731
+    mib = lambda v: "–" if v is None else f"{v / 2**20:.1f} MiB"  # noqa: E731
     for r in rec["records"]:
-        rows.append(f"| {r['mode']} | {r['streams']} | {rate(r['decode_tokens_per_s'])} | {rate(r['tokens_per_s'])} | "
+        rows.append(f"| {r['mode']} | {r['streams']} | {rate(r['decode_tokens_per_s'])} | {pct(r.get('of_ceiling'))} | "
+                    f"{mib(r.get('bytes_per_token'))} | {rate(r['tokens_per_s'])} | "
                     f"{ms(r['ttft_p50'])} | {ms(r['ttft_p99'])} | {ms(r['tpot_p50'])} | {ms(r['tpot_p99'])} |")
     s, cfg = rec["summary"], rec["config"]
     lines = rows + [""]
@@ -318,6 +375,12 @@ def markdown(rec: dict) -> str:
                          f"under a fresh tenant A's flood ({cfg['flood']['b_requests']}), pooled for the p99 above; "
                          f"each round's own p99 ratio: {per}.")
     lines.append(f"- Streams that lost tokens or failed: {s['lost']} (goal 0 {mark(s['lost'] == 0)}).")
+    if cfg.get("bandwidth"):
+        lines.append(f"- Bandwidth ceiling: the decode tokens/s if every decode step read its bytes (the server's "
+                     f"`kv_bytes_read` + `digest_bytes_read` over the round, plus "
+                     f"{cfg['weight_bytes_per_decode_step'] / 2**20:.1f} MiB of weights per `decode_steps`) at "
+                     f"{cfg['bandwidth']['reference_gbs']} GB/s, measured at the start of this run "
+                     f"({cfg['bandwidth']['reference']}).")
     lines += ["", f"The shipped tiny model served by `python -m gemini_jax.serve` in its own process on this machine's "
               f"loopback; {cfg['prompt_tokens']}-token held-out prompts, {cfg['max_tokens']} greedy output tokens per "
               f"stream (ignore_eos), medians of {cfg['repeats']} rounds after an untimed warm-up; sparse = "
