@@ -11,6 +11,7 @@ import dataclasses
 import functools
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 
 from gemini_jax.attention import kvquant
@@ -141,11 +142,22 @@ def exact_page_scores(q, k_layer, block_tables, lengths, pages, *, group_reduce:
     phys = jnp.take_along_axis(block_tables[:, None, :], logical, axis=2)  # [B, K, n]
     kk = kvquant.read(k_layer[jnp.arange(K)[None, :, None], phys], jnp.float32)  # [B, K, n, S, D]
     k_pos = logical[..., None] * S + jnp.arange(S)  # [B, K, n, S]
-    if unrope is not None:
-        cos, sin = rope_angles(-k_pos, unrope)
-        kk = rotate(kk, cos, sin)
     qg = q.reshape(B, m, K, H // K, D).astype(jnp.float32)
-    s = jnp.einsum("btkgd,bknsd->bkgtns", qg, kk, preferred_element_type=jnp.float32)
+    if isinstance(unrope, np.ndarray):
+        # R(-(pS + s)) = R(-pS) R(-s): the slot part from constant tables, the page part turned onto
+        # the queries (q.R(-pS)x = R(pS)q.x). Angles per key would cost a cos and a sin per key
+        # element: XLA fuses them into the rotation and recomputes them per element it writes.
+        ang = np.arange(S, dtype=np.float64)[:, None] * unrope.astype(np.float64)[None, :]
+        ang = np.concatenate([ang, ang], axis=-1)  # [S, D], the half-rotation layout
+        kk = rotate(kk, jnp.asarray(np.cos(ang), jnp.float32), jnp.asarray(-np.sin(ang), jnp.float32))
+        cos, sin = rope_angles(logical * S, unrope)  # [B, K, n, D]
+        qp = rotate(jnp.moveaxis(qg, 1, 3)[:, :, :, :, None], cos[:, :, None, None], sin[:, :, None, None])
+        s = jnp.einsum("bkgtnd,bknsd->bkgtns", qp, kk, preferred_element_type=jnp.float32)
+    else:
+        if unrope is not None:
+            cos, sin = rope_angles(-k_pos, unrope)
+            kk = rotate(kk, cos, sin)
+        s = jnp.einsum("btkgd,bknsd->bkgtns", qg, kk, preferred_element_type=jnp.float32)
     real = (pages >= 0)[..., None] & (k_pos < lengths[:, None, None, None])  # [B, K, n, S]
     held = slot_valid(fill, logical, S)
     if held is not None:

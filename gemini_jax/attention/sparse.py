@@ -49,11 +49,23 @@ def sparse_attention(queries, kv_layer, view: PageView, sel: Selection, *, scale
     qg = q.reshape(B, T, K, H // K, D)
     kk = kk.reshape(B, K, n * S, D)
     vv = vv.reshape(B, K, n * S, D)
-    if page_shift is not None:
-        shift = jnp.repeat(page_shift, S, axis=-1)  # [B, K, nS]
-        cos, sin = rope_angles(shift, inv_freq)  # [B, K, nS, D] (rope_angles takes any leading shape)
-        kk = rotate(kk.astype(jnp.float32), cos, sin).astype(q.dtype)
-    s = jnp.einsum("btkgd,bksd->bkgts", qg, kk, preferred_element_type=jnp.float32) * scale
+    G = H // K
+    if page_shift is not None and T * G <= S:
+        # A few queries (decode): turn each query once per page by -shift instead of the page's S
+        # keys by +shift (q.R(a)k = R(-a)q.k). XLA fuses the angles' cos / sin into the rotation
+        # and recomputes them per element it writes, so the work follows the rotated operand's
+        # size: G x T per page here against S keys there.
+        cos, sin = rope_angles(page_shift, inv_freq)  # [B, K, n, D] (rope_angles takes any leading shape)
+        qf = jnp.moveaxis(qg.astype(jnp.float32), 1, 3)[:, :, :, :, None]  # [B, K, G, T, 1, D]
+        q_turned = rotate(qf, cos[:, :, None, None], -sin[:, :, None, None])  # [B, K, G, T, n, D]
+        s = jnp.einsum("bkgtnd,bknsd->bkgtns", q_turned.astype(q.dtype), kk.reshape(B, K, n, S, D),
+                       preferred_element_type=jnp.float32).reshape(B, K, G, T, n * S) * scale
+    else:
+        if page_shift is not None:
+            shift = jnp.repeat(page_shift, S, axis=-1)  # [B, K, nS]
+            cos, sin = rope_angles(shift, inv_freq)  # [B, K, nS, D]
+            kk = rotate(kk.astype(jnp.float32), cos, sin).astype(q.dtype)
+        s = jnp.einsum("btkgd,bksd->bkgts", qg, kk, preferred_element_type=jnp.float32) * scale
     s = softcap(s, cap)
     s = jnp.where(mask[:, :, None], s, NEG_INF)
     p = jax.nn.softmax(s, axis=-1)
