@@ -212,6 +212,44 @@ def test_preemption_when_allocate_slots_returns_none(preempt, k):
     assert time.perf_counter() - t0 < 1.0
 
 
+@pytest.mark.parametrize("k", [1, 4])
+def test_each_call_is_planned_then_run_as_planned(k):
+    """The scheduler plans every device call (`StepPlan`) before the executor runs it: planning
+    calls no runner, a decode plan lists its rows best first with the requests it preempted (all
+    ranked after every row), a k-step plan's rows share their sampling parameters, and the runner
+    sees exactly the planned calls, in order."""
+    t0, seed = time.perf_counter(), 17
+    rng = np.random.default_rng(seed)
+    eng = FakeEngine(num_pages=1 + 5, max_batch=4, steps_per_call=k)  # 3 requests of 3 pages: preemptions
+    sched = Scheduler(eng, ServeConfig(step_tokens=64))
+    made = [_request(f"r{i}", rng, 7, 12, priority=i) for i in range(3)]
+    reqs, prompts = zip(*made)
+    for r in reqs:
+        sched.submit(r)
+    plans, run = [], sched.executor.run
+
+    def run_logged(plan):
+        assert len(eng.log) == sum(1 for _ in plans), (seed, "a runner call before its plan was run")
+        plans.append(plan)
+        return run(plan)
+
+    sched.executor.run = run_logged
+    sched.run_until_idle()
+    assert len(eng.log) == len(plans) and any(p.preempted for p in plans), (seed, len(plans))
+    for plan, call in zip(plans, eng.log):
+        if plan.prefill is not None:
+            assert call == ("prefill", plan.prefill.request.seq_id, plan.prefill.tokens), (seed, call)
+            continue
+        rows = plan.decode.rows
+        assert [r.rank for r in rows] == sorted(r.rank for r in rows), seed
+        assert all(v.rank > r.rank for v in plan.preempted for r in rows), seed
+        assert call[0] == ("decode" if plan.decode.steps == 1 else "decode_many"), (seed, call)
+        assert call[1] == tuple(r.seq_id for r in rows), (seed, call)
+        assert plan.decode.steps == 1 or (len({r.params for r in rows}) == 1 and plan.decode.steps <= k), seed
+    _exact(reqs, prompts, seed)
+    assert time.perf_counter() - t0 < 1.0
+
+
 def test_a_tenant_below_its_share_takes_a_slot():
     """Tenant A fills the batch; tenant B's request preempts A's worst at once (its fair share is
     max_batch / 2), rather than waiting for A's requests to finish."""

@@ -14,6 +14,11 @@ to host memory and restores the same bytes later, `recompute` frees them and pre
 again. A client never sees `CacheExhausted`: a request that cannot fit even alone is refused
 at submit.
 
+Each device call is planned, run, then applied (`serve.plan`): `plan_decode` / the prefill loop
+decide the rows, tokens and pages (preempting when `allocate_slots` says None), the `Executor`
+runs the `StepPlan` on the engine's runner, and `update` changes the requests from its
+`StepOutput` (sample, send, finish).
+
 Every request gets the tokens a solo `Engine.generate` gives it: prefill uses the same chunks
 (`chunking.prefill_pieces`), sampling the same keys (seed, sample index 0, position), and a
 swapped request resumes from its own bytes.
@@ -32,7 +37,8 @@ from gemini_jax.errors import CacheExhausted, ConfigError, ContextLengthError
 from gemini_jax.model import validate_tokens
 from gemini_jax.runtime import Counters, driver
 from gemini_jax.runtime.chunking import prefill_pieces
-from gemini_jax.runtime.paged import PageRunner
+from gemini_jax.serve.executor import Executor
+from gemini_jax.serve.plan import DecodeWork, PrefillWork, StepOutput, StepPlan
 from gemini_jax.serve.request import FINISH_REASONS, Phase, Request
 
 
@@ -50,7 +56,9 @@ class Scheduler:
         self.config = config or ServeConfig()
         self.stats = engine.stats if stats is None else stats  # the engine's counters, live
         self.seqs = engine.sequences  # the pool's pages, asked through its allocation API
-        self.runner: PageRunner = engine.runner(0, self.stats)
+        self.runner = engine.runner(0, self.stats)
+        self.executor = Executor(self.runner, self.seqs, pad_batch=self.config.pad_batch,
+                                 steps_per_call=engine.config.decode_steps_per_call, eos_id=engine.model_cfg.eos_id)
         self.waiting: list[Request] = []
         self.live: list[Request] = []  # PREFILL or DECODE, holding pages
         self.arrivals = 0
@@ -61,6 +69,7 @@ class Scheduler:
         self.decode_calls = 0  # device calls that decoded (one token per row, or up to k: `_steps_for`)
         self._eos = engine.model_cfg.eos_id
         self._layers = engine.model_cfg.num_layers
+        self._preempted: list[Request] = []  # preempted while planning the current call
 
     # ---- requests in ------------------------------------------------------------------------------
     def check(self, tokens, params: SamplingParams, what: str = "prompt") -> np.ndarray:
@@ -108,7 +117,9 @@ class Scheduler:
         if not self.live:
             return False
         self.steps += 1
-        self._decode()
+        plan = self.plan_decode()
+        if plan is not None:
+            self.update(plan, self.executor.run(plan))
         self._prefill()
         return True
 
@@ -262,38 +273,50 @@ class Scheduler:
         r.preemptions += 1
         self.preemptions += 1
         self.waiting.append(r)
+        self._preempted.append(r)
 
-    # ---- decode -----------------------------------------------------------------------------------
-    def _decode(self) -> None:
+    # ---- decode ----------------------------------------------------------------------------------
+    def plan_decode(self) -> Optional[StepPlan]:
+        """The decode call of this step: every decoding row, best first, with page slots for the
+        tokens it writes (worse rows preempted when `allocate_slots` says None); None when no row
+        decodes."""
+        self._preempted = []
         rows = sorted((r for r in self.live if r.phase is Phase.DECODE), key=lambda r: r.rank)
         if not rows:
-            return
+            return None
         n = self._steps_for(rows)
         self._allocate_rows(rows, n)
         if not rows:
-            return
+            return None
         if n > 1:
-            self._decode_many(rows, min(n, self._steps_for(rows)))
+            n = min(n, self._steps_for(rows))  # the rows left may end sooner
+        return StepPlan(decode=DecodeWork(tuple(rows), n), preempted=tuple(self._preempted))
+
+    def update(self, plan: StepPlan, out: StepOutput) -> None:
+        """Apply what a planned call returned: count it, then sample / send / finish its rows."""
+        if plan.prefill is not None:
+            w = plan.prefill
+            r = w.request
+            r.pieces.popleft()
+            r.compute_units += w.tokens * self._layers
+            if not r.pieces:
+                self.seqs.persist_prefix(r.seq_id)
+                r.phase = Phase.DECODE
+                self._after_logits([r], out.logits)
             return
-        ids = [r.seq_id for r in rows]
-        lengths = [self.seqs.num_tokens(s) for s in ids]
-        tokens = [r.pending for r in rows]
-        pad_sid = self._pad_rows(ids, tokens, lengths)
-        try:
-            logits = self.runner.decode(np.asarray(tokens, np.int32), np.asarray(lengths, np.int32), ids,
-                                        pad=len(ids) - len(rows))
-        finally:
-            if pad_sid is not None:
-                self.seqs.release(pad_sid)
-        self.stats.decode_steps += 1
-        self.stats.compute_units += len(rows) * self._layers
+        rows = plan.decode.rows
+        self.stats.decode_steps += out.steps
+        self.stats.compute_units += len(rows) * self._layers * out.steps
         self.decode_rows += len(rows)
         self.decode_calls += 1
-        logits = np.asarray(logits)[:len(rows)]
         for r in rows:
             r.pending = None
-            r.compute_units += self._layers
-        self._after_logits(rows, logits)
+            r.compute_units += self._layers * out.steps
+        if out.tokens is None:
+            self._after_logits(list(rows), out.logits)
+            return
+        for i, r in enumerate(rows):
+            self._take_tokens(r, out.tokens[i])
 
     def _steps_for(self, rows: list) -> int:
         """Tokens the next decode call makes per row: up to `EngineConfig.decode_steps_per_call` in
@@ -302,39 +325,10 @@ class Scheduler:
         keeps the logits after the last token written, which only the one-token call returns),
         and no further than the row closest to its `max_new_tokens`. Else 1."""
         k = self.engine.config.decode_steps_per_call
-        if k <= 1 or not self.runner.multistep or len({r.params for r in rows}) > 1 \
+        if k <= 1 or not self.executor.multistep or len({r.params for r in rows}) > 1 \
                 or any(r.interrupt_requested for r in rows):
             return 1
         return max(1, min(k, *(r.params.max_new_tokens - r.new_tokens for r in rows)))
-
-    def _decode_many(self, rows: list, n: int) -> None:
-        """Up to `n` tokens per row in one program: each row's pending token written, then the
-        tokens sampled after each step (keys as a solo run: seed, sample index, position), EOS
-        stopping a row. The last sampled token of a row that goes on is its new pending one."""
-        params = rows[0].params
-        ids = [r.seq_id for r in rows]
-        lengths = [self.seqs.num_tokens(s) for s in ids]
-        tokens = [r.pending for r in rows]
-        sample_ids = [r.sample_index for r in rows]
-        pad_sid = self._pad_rows(ids, tokens, lengths, n)
-        pad = len(ids) - len(rows)
-        done = np.zeros(len(ids), bool)
-        done[len(rows):] = True  # padding rows never hold the loop
-        spec = driver.loop_spec(params, self.engine.config.decode_steps_per_call, self._eos)
-        try:
-            out = self.runner.decode_many(driver.loop_inputs(tokens, lengths, sample_ids + [0] * pad, params, done, n),
-                                          spec, ids=ids, pad=pad)
-        finally:
-            if pad_sid is not None:
-                self.seqs.release(pad_sid)
-        self.stats.decode_steps += out.steps
-        self.stats.compute_units += len(rows) * self._layers * out.steps
-        self.decode_rows += len(rows)
-        self.decode_calls += 1
-        for i, r in enumerate(rows):
-            r.pending = None
-            r.compute_units += self._layers * out.steps
-            self._take_tokens(r, out.tokens[i])
 
     def _take_tokens(self, r: Request, toks) -> None:
         """Send `r` the tokens a k-step call sampled for it, up to its end (EOS or max_new_tokens)."""
@@ -343,23 +337,6 @@ class Scheduler:
             if r.finished:
                 return
             self._send(r, int(tok), now)
-
-    def _pad_rows(self, ids: list, tokens: list, lengths: list, steps: int = 1) -> Optional[int]:
-        """With `serve.pad_batch`, fill the decode batch up to a power of two with rows of a scratch
-        sequence (one page, position 0), so batch sizes 1..max_batch compile log2(max_batch) + 1
-        programs instead of max_batch. The real rows never read its page. Returns its id (freed
-        after the call), or None (no padding: tiers, no page left once the real rows hold theirs,
-        or a batch already a power of two)."""
-        n = len(ids)
-        target = 1 << (n - 1).bit_length()
-        pages = -(-steps // self.engine.config.cache.block_size)
-        if not self.config.pad_batch or target == n or not self.seqs.pads_rows or not self.seqs.can_admit(pages):
-            return None
-        sid = self.seqs.open_scratch(steps)
-        ids += [sid] * (target - n)
-        tokens += [0] * (target - n)
-        lengths += [0] * (target - n)
-        return sid
 
     def _after_logits(self, rows: list, logits: np.ndarray) -> None:
         """Rows whose KV is complete, with their next-token logits f32[B, V]: interrupt, or sample,
@@ -405,17 +382,13 @@ class Scheduler:
                 padded, pos, n = r.pieces[0]
                 if ran and n > budget:
                     return
+                self._preempted = []
                 if not self._room_for_piece(r, int(pos[0]) + n):
                     break  # it waits for pages; a better-ranked request may still prefill
-                logits = self.runner.prefill_piece(r.seq_id, padded, pos, n)
-                r.pieces.popleft()
-                r.compute_units += n * self._layers
+                plan = StepPlan(prefill=PrefillWork(r, r.pieces[0]), preempted=tuple(self._preempted))
+                self.update(plan, self.executor.run(plan))
                 budget -= n
                 ran = True
-                if not r.pieces:
-                    self.seqs.persist_prefix(r.seq_id)
-                    r.phase = Phase.DECODE
-                    self._after_logits([r], np.asarray(logits))
 
     def _room_for_piece(self, r: Request, end: int) -> bool:
         need = self.seqs.pages_to_write(r.seq_id, end)
