@@ -296,3 +296,22 @@ def test_priorities_run_first_and_are_preempted_last():
     assert sched.preemptions > 0, (seed, "the pool was meant to run out")
     _exact([hi, *(r for r, _ in low)], [hp, *(p for _, p in low)], seed)
     assert time.perf_counter() - t0 < 1.0
+
+
+def test_percentile_ratio_interval_covers_a_known_ratio():
+    """`load.percentile_ratio_ci` on TTFT-like samples where the truth is known: B under load is
+    B alone scaled by 1.8, so every percentile's ratio is 1.8 and its bootstrap interval covers it;
+    with 100 draws a side the interval is narrower than [1.3, 2.5]; the same seed gives the same interval."""
+    from gemini_jax.serve.load import percentile_ratio_ci
+
+    seed = 19
+    rng = np.random.default_rng(seed)
+    alone = rng.lognormal(mean=-2.0, sigma=0.4, size=100)
+    under = 1.8 * rng.lognormal(mean=-2.0, sigma=0.4, size=100)
+    for q in (50, 90):
+        got = percentile_ratio_ci(list(under), list(alone), q, seed=seed)
+        lo, hi = got["ci95"]
+        assert lo < 1.8 < hi and 1.3 < lo and hi < 2.5, (seed, q, got["ratio"], lo, hi)
+        assert got["n_under"] == got["n_alone"] == 100
+        assert percentile_ratio_ci(list(under), list(alone), q, seed=seed)["ci95"] == [lo, hi]
+    assert percentile_ratio_ci([], list(alone), 90)["ratio"] is None

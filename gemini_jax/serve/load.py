@@ -113,3 +113,20 @@ def summarize(results: list[StreamResult]) -> dict:
     out["all_decoding_seconds"] = max(0.0, hi - lo)
     out["decode_tokens_per_s"] = inside / (hi - lo) if hi > lo and inside else None
     return out
+
+
+def percentile_ratio_ci(under: list, alone: list, q: float, *, resamples: int = 2000, seed: int = 0) -> dict:
+    """The q-th percentile of `under` over that of `alone` (e.g. TTFTs under load and alone), with
+    a 95% percentile-bootstrap interval: both samples resampled with replacement, independently,
+    `resamples` times (seeded), the ratio of their percentiles each time. Also each sample's own
+    percentile with its bootstrap interval."""
+    a, b = np.asarray([v for v in under if v is not None], float), np.asarray([v for v in alone if v is not None], float)
+    if not len(a) or not len(b):
+        return {"q": q, "ratio": None, "ci95": None, "n_under": len(a), "n_alone": len(b)}
+    rng = np.random.default_rng(seed)
+    pa = np.percentile(a[rng.integers(0, len(a), (resamples, len(a)))], q, axis=1)
+    pb = np.percentile(b[rng.integers(0, len(b), (resamples, len(b)))], q, axis=1)
+    ci = lambda x: [float(np.percentile(x, 2.5)), float(np.percentile(x, 97.5))]  # noqa: E731
+    return {"q": q, "ratio": float(np.percentile(a, q) / np.percentile(b, q)), "ci95": ci(pa / pb),
+            "under": float(np.percentile(a, q)), "under_ci95": ci(pa), "alone": float(np.percentile(b, q)),
+            "alone_ci95": ci(pb), "n_under": len(a), "n_alone": len(b), "resamples": resamples, "seed": seed}
