@@ -120,22 +120,43 @@ def needle_block(results_dir: str) -> str:
     return "\n".join(rows + ["", f"Commit(s) the files came from: {_commits(loaded)}."])
 
 
+SMOLLM2_QUANT_POINTS = 3.0  # int8 KV non-inferior: the paired interval's lower end >= -3 points ...
+SMOLLM2_QUANT_PAIRS = 300  # ... pooled over lengths, with at least this many pairs
+
+
 def smollm2_needle_block(results_dir: str) -> str:
-    """SmolLM2-135M-Instruct: dense vs sparse at one budget on the same test trials (chat prompts)."""
-    recs = {name: _load(results_dir, f"needle/smollm2_{name}_test") for name in ("dense", "quest1024")}
+    """SmolLM2-135M-Instruct: dense vs sparse at one budget and int8 KV vs float32, on the same test
+    trials (chat prompts)."""
+    names = ("dense", "quest1024", "int8_dense")
+    recs = {name: _load(results_dir, f"needle/smollm2_{name}_test") for name in names}
     if not any(recs.values()):
         return _missing("smollm2")
     lengths = sorted({bl["length"] for r in recs.values() if r for bl in r["by_length"]})
-    rows = ["| context | dense | sparse, budget 1024 tokens (`sparse=quest`, dense prefill) |", "|---|---|---|"]
+    rows = ["| context | dense | sparse, budget 1024 tokens (`sparse=quest`, dense prefill) | int8 KV, dense | "
+            "int8 − float32 [paired 95%] |", "|---|---|---|---|---|"]
+    dense, int8 = recs["dense"], recs["int8_dense"]
     for length in lengths:
         cells = []
         for rec in recs.values():
             bl = next((b for b in rec["by_length"] if b["length"] == length), None) if rec else None
             cells.append(_pct(bl["hits"], bl["trials"]) if bl else "—")
-        rows.append(f"| {length // 1024}K | {cells[0]} | {cells[1]} |")
+        pair = "—"
+        if dense and int8 and any(b["length"] == length for b in int8["by_length"]):
+            p = paired_needle(int8, dense, length)
+            pair = f"{p['diff']:+.1f} [{p['lo']:+.1f}, {p['hi']:+.1f}] points ({p['fixed']} fixed, {p['lost']} lost)"
+        rows.append(f"| {length / 1024:g}K | {' | '.join(cells)} | {pair} |")
     files = " / ".join(_link(f"needle/smollm2_{name}_test") for name, r in recs.items() if r)
-    return "\n".join(rows + ["", f"Test trials, 5 depths x 2 trials per context, the same prompts in both columns; "
-                                 f"files {files}; commit(s) {_commits(recs.values())}."])
+    tail = [f"Test trials, 5 depths x 2 trials per context, the same prompts in every column (8000 tokens: the "
+            f"prompt and its answer inside the model's 8K window); files {files}; commit(s) {_commits(recs.values())}."]
+    if dense and int8:
+        p = paired_needle(int8, dense)
+        ok = p["lo"] >= -SMOLLM2_QUANT_POINTS and p["n"] >= SMOLLM2_QUANT_PAIRS
+        tail.append(f"int8 KV against float32, pooled over the lengths both hold: {p['diff']:+.1f} "
+                    f"[{p['lo']:+.1f}, {p['hi']:+.1f}] points over {p['n']} pairs (same text {p['same_text']}/{p['n']}). "
+                    f"Goal: the interval's lower end ≥ −{SMOLLM2_QUANT_POINTS:.0f} points over ≥ {SMOLLM2_QUANT_PAIRS} "
+                    f"pairs {'✓' if ok else '✗'}" + ("" if ok or p["n"] >= SMOLLM2_QUANT_PAIRS else
+                                                     f" ({p['n']} pairs: too few to decide)") + ".")
+    return "\n".join(rows + [""] + tail)
 
 
 def bpb_block(results_dir: str) -> str:
