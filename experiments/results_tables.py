@@ -144,7 +144,8 @@ def smollm2_needle_block(results_dir: str) -> str:
         if dense and int8 and any(b["length"] == length for b in int8["by_length"]):
             p = paired_needle(int8, dense, length)
             pair = f"{p['diff']:+.1f} [{p['lo']:+.1f}, {p['hi']:+.1f}] points ({p['fixed']} fixed, {p['lost']} lost)"
-        rows.append(f"| {length / 1024:g}K | {' | '.join(cells)} | {pair} |")
+        label = f"{length // 1024}K" if length % 1024 == 0 else f"{length:,} tokens"
+        rows.append(f"| {label} | {' | '.join(cells)} | {pair} |")
     files = " / ".join(_link(f"needle/smollm2_{name}_test") for name, r in recs.items() if r)
     tail = [f"Test trials, 5 depths x 2 trials per context, the same prompts in every column (8000 tokens: the "
             f"prompt and its answer inside the model's 8K window); files {files}; commit(s) {_commits(recs.values())}."]
