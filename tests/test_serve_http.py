@@ -458,3 +458,27 @@ def test_the_load_generator_streams_the_engine_tokens_on_its_own_client_or_a_sha
             assert r.ttft is not None and r.ttft > 0 and r.t_end >= r.token_times[-1]
         s = summarize(res)
         assert s["failed"] == 0 and s["output_tokens"] == sum(len(w) for w in want)
+
+
+def test_a_pretrained_gguf_is_served_as_a_chat_model_with_its_template():
+    """SmolLM2 served under its name: a chat's prompt is the file's own template (the ids
+    `apply_chat_template` gives), the answer is the engine's greedy continuation of those ids, and
+    its EOS (<|im_end|>) ends it."""
+    model, tok = gj.load_pretrained("smollm2-135m-instruct")
+    eng = _engine(model, max_seq_len=256, prefill_chunk=64, max_batch=2, cache=dict(block_size=16, num_pages=40))
+    live = LiveServer(create_app(eng, tok, ServeConfig(model_id="smollm2-135m-instruct")))
+    try:
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="anything", max_retries=0, timeout=120)
+        messages = [{"role": "user", "content": "What is the capital of France? One word."}]
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True)
+        with live.state.worker.lock:
+            want = eng.generate(ids, gj.SamplingParams(max_new_tokens=12, temperature=0.0)).tokens
+        got = client.chat.completions.create(model="smollm2-135m-instruct", messages=messages, max_tokens=12,
+                                             temperature=0)
+        assert got.usage.prompt_tokens == len(ids)
+        assert got.choices[0].message.content == tok.decode([t for t in want if t != tok.eos_id]), (want, got)
+        assert got.choices[0].finish_reason == ("stop" if want[-1] == tok.eos_id else "length")
+        assert [m.id for m in client.models.list().data] == ["smollm2-135m-instruct"]
+    finally:
+        live.close()
+        eng.close()

@@ -2,7 +2,9 @@
 
 Hydra reads `conf/server.yaml` of the source checkout (groups model, engine, sparse, tier,
 serve). The shipped tiny model is served by default under `serve.model_id`; `weights=<dir>`
-serves an HF safetensors checkpoint with its tokenizer.json.
+serves an HF safetensors checkpoint with its tokenizer.json; a pretrained preset
+(`model=smollm2_135m`) serves that GGUF under its name (`gj.list_pretrained()`), its chat
+template applied to `/v1/chat/completions` and its EOS ending an answer.
 """
 
 from __future__ import annotations
@@ -31,9 +33,19 @@ def main(cfg: DictConfig) -> None:
     logging.getLogger("gemini_jax.serve").setLevel(cfg.log_level)
     # Orbax logs each snapshot's save / restore through absl at INFO (dozens of lines per snapshot).
     logging.getLogger("absl").setLevel(cfg.get("library_log_level", "WARNING"))
+    from hydra.core.hydra_config import HydraConfig
+
+    from gemini_jax.config import replace
+    from gemini_jax.weights.pretrained import pretrained_for_preset
+
     serve = build(ServeConfig, cfg.serve)
+    name = pretrained_for_preset(HydraConfig.get().runtime.choices.get("model") or "")
     if cfg.weights:
         model, tokenizer = gj.load_hf(cfg.weights, dtype=cfg.model.dtype), gj.HFTokenizer(cfg.weights)
+    elif name:
+        model, tokenizer = gj.load_pretrained(name, dtype=cfg.model.dtype)
+        if serve.model_id == ServeConfig().model_id:  # the default id names the tiny model: use the file's name
+            serve = replace(serve, model_id=name)
     else:
         model, tokenizer = gj.load_tiny(), gj.ByteTokenizer()
     engine = gj.Engine(model, build(EngineConfig, cfg.engine))

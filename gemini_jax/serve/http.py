@@ -58,16 +58,25 @@ def chat_prompt(messages) -> str:
     return "".join(parts) + "<|assistant|>\n"
 
 
+def chat_tokens(tokenizer, messages) -> list:
+    """A chat's prompt ids: the model's own template when its tokenizer carries one (a pretrained
+    GGUF: `GGUFTokenizer.apply_chat_template`, generation prompt added), else `chat_prompt`."""
+    if hasattr(tokenizer, "apply_chat_template"):
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    return tokenizer.encode(chat_prompt(messages))
+
+
 class TextStream:
     """Text of the generated tokens as it becomes final: a trailing replacement character (a
     multi-byte character cut between tokens) is held back until the next token completes it.
 
     Each push decodes only the tokens since the last text sent, with the tokens of that text as
     context (a tokenizer may decode a token differently at the start of a string), so a stream of
-    n tokens costs O(n) decoding, not O(n^2)."""
+    n tokens costs O(n) decoding, not O(n^2). `stop`: a token that ends the answer and is not text
+    (the model's EOS when the request stops at it: a chat model's `<|im_end|>` is not content)."""
 
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer, stop: Optional[int] = None):
+        self.tokenizer, self.stop = tokenizer, stop
         self.tokens: list[int] = []
         self._context = 0  # tokens[_context:_sent] decode to the last text sent: context for the next
         self._sent = 0     # tokens before it are sent
@@ -79,7 +88,7 @@ class TextStream:
         return "".join(self._pieces)
 
     def push(self, token: Optional[int], final: bool = False) -> str:
-        if token is not None:
+        if token is not None and token != self.stop:
             self.tokens.append(token)
         before = self.tokenizer.decode(self.tokens[self._context:self._sent])
         text = self.tokenizer.decode(self.tokens[self._context:])
@@ -185,6 +194,10 @@ class Server:
         self.worker.submit(req)
         return api_id, out
 
+    def stop_token(self, req: Request) -> Optional[int]:
+        """The token that ends `req` without being text: the model's EOS, when the request stops there."""
+        return self.engine.model_cfg.eos_id if req.params.stop_at_eos else None
+
     async def respond(self, req: Request, out: asyncio.Queue, api_id: str, body: dict, *, chat: bool):
         """The completion (or chat completion) response: streamed as SSE, or whole at the end."""
         created = int(time.time())
@@ -192,7 +205,7 @@ class Server:
             opts = body.get("stream_options") or {}
             return StreamingResponse(_stream(self, req, out, api_id, created, chat, bool(opts.get("include_usage"))),
                                      media_type="text/event-stream")
-        text = TextStream(self.tokenizer)
+        text = TextStream(self.tokenizer, self.stop_token(req))
         try:
             while (tok := await out.get()) is not None:
                 text.push(tok)
@@ -286,7 +299,7 @@ def create_app(engine, tokenizer, config: ServeConfig | None = None) -> Starlett
                     for m in messages)):
                 raise ApiError(400, "messages must be a non-empty list of {role, content} objects with string "
                                     "content.", param="messages")
-            tokens = tokenizer.encode(chat_prompt(messages))
+            tokens = chat_tokens(tokenizer, messages)
         else:
             tokens = _prompt_tokens(body.get("prompt"), tokenizer)
         params = server.sampling(body, DEFAULT_MAX_TOKENS if not chat else
@@ -394,7 +407,7 @@ async def _stream(server: Server, req: Request, out: asyncio.Queue, rid: str, cr
     """SSE chunks as tokens arrive; a client that goes away cancels the request (its pages are freed)."""
     model = server.config.model_id
     kind = "chat.completion.chunk" if chat else "text_completion"
-    text = TextStream(server.tokenizer)
+    text = TextStream(server.tokenizer, server.stop_token(req))
 
     def chunk(delta: Optional[str], finish: Optional[str], *, role: bool = False) -> str:
         if chat:
