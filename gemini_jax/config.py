@@ -538,6 +538,15 @@ class EngineConfig:
     max_soft_tokens: rows of the engine's soft-token table (encoder outputs in prompts,
     `gj.Prompt`). Rows are kept for the engine's life, so the pages of an image stay valid and are
     shared when the same image comes again; a prompt that needs more raises ContextLengthError.
+
+    layer_weights: how the engine holds the decoder's layer weights. "per_layer" (default): one
+    buffer per layer and weight, layers unrolled in every program, so a decode step reads each
+    weight once where it lies; "stacked": one [num_layers, ...] array per weight under a
+    `lax.scan` (compile time independent of depth, but XLA copies each layer's slice before its
+    matmuls: about twice the weight traffic of a decode step). Logits agree to rounding (XLA
+    fuses the unrolled layers differently), within the engine's float bound. The engine's copy
+    replaces nothing in the `Decoder` you passed: drop your reference to it to hold the weights
+    once.
     """
 
     max_seq_len: int = 4096
@@ -551,6 +560,7 @@ class EngineConfig:
     tier: TierConfig = field(default_factory=TierConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)  # {data: D, model: M}: shard over D x M devices
     max_soft_tokens: int = 4096
+    layer_weights: str = "per_layer"
 
     def __post_init__(self):
         for name, cls in (("cache", CacheConfig), ("sparse", SparseConfig), ("tier", TierConfig), ("mesh", MeshConfig)):
@@ -568,6 +578,8 @@ class EngineConfig:
                  f"jitted step per token).")
         _require(isinstance(self.max_soft_tokens, int) and self.max_soft_tokens >= 0,
                  f"max_soft_tokens={self.max_soft_tokens!r} must be a non-negative integer (0: no soft tokens).")
+        _require(self.layer_weights in ("per_layer", "stacked"),
+                 f"layer_weights={self.layer_weights!r} must be 'per_layer' or 'stacked'.")
         _require(self.attention_impl in ("xla", "pallas"),
                  f"attention_impl={self.attention_impl!r} must be 'xla' or 'pallas'.")
         _require(self.kernel_platform in (None, "tpu", "gpu"),

@@ -28,7 +28,7 @@ from gemini_jax.cache.paged import paged_backend
 from gemini_jax.cache.store import PooledStore
 from gemini_jax.config import EngineConfig, SamplingParams
 from gemini_jax.errors import ConfigError, ContextLengthError
-from gemini_jax.model import Decoder, validate_tokens
+from gemini_jax.model import Decoder, unstack_layers, validate_tokens
 from gemini_jax.encoders.prompt import Prompt, check_encoders
 from gemini_jax.runtime import COUNTERS, RunContext, aligned, driver, make_runner, new_stats
 from gemini_jax.runtime.sequences import SequenceCache
@@ -78,6 +78,8 @@ class Engine:
                 raise ConfigError("a device mesh needs the paged cache (cache.kind='paged').")
             mesh = distributed.make_mesh(self.config.mesh, model.cfg)
             params = distributed.shard_params(params, mesh)
+        if self.config.layer_weights == "per_layer":
+            params = unstack_layers(params)
         if c.kind == "paged":
             self.kv = KVCacheManager(self.config.num_pages, c.block_size, prefix_caching=c.prefix_caching)
             # Built for its config checks too (compact positions refuse a second rope).

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import gemini_jax as gj
-from gemini_jax.errors import ContextLengthError, SamplingError, TokenError
+from gemini_jax.errors import ConfigError, ContextLengthError, SamplingError, TokenError
 from gemini_jax.testing import FAMILIES, logits_tolerance, random_model, random_prompts, tiny_config
 
 
@@ -102,3 +102,41 @@ def test_context_too_long():
 def test_bad_sampling_params(kw):
     with pytest.raises(SamplingError):
         gj.SamplingParams(**kw)
+
+
+PER_LAYER_CASES = [(f, dict(decode_steps_per_call=4)) for f in FAMILIES] + [
+    ("llama", dict(decode_steps_per_call=1)), ("llama", dict(tier=dict(enabled=True, device_fraction=0.5)))]
+
+
+@pytest.mark.parametrize("family,extra", PER_LAYER_CASES, ids=lambda x: x if isinstance(x, str) else "-".join(x))
+def test_per_layer_weights_give_the_stacked_numbers(family, extra):
+    """EngineConfig.layer_weights: the unrolled program over per-layer buffers computes what the
+    scan over stacked arrays does (the same ops; XLA may fuse them differently, so to the float
+    bound of the computation), through prefill, k-step and one-token decode and the tiered
+    runner's per-layer programs (a traced layer index); the engine's weight hash and the Decoder
+    passed in are unchanged."""
+    seed = 2000 + FAMILIES.index(family)
+    rng = np.random.default_rng(seed)
+    cfg = tiny_config(family)
+    model = random_model(cfg, seed % 1000)
+    stacked_wq = np.asarray(model.layers.wq[...]).copy()
+    prompts = random_prompts(rng, cfg.vocab_size, (7, 30))
+    params = gj.SamplingParams(max_new_tokens=9, stop_at_eos=False)
+    outs, hashes = {}, {}
+    for lw in ("stacked", "per_layer"):
+        eng = gj.Engine(model, gj.config.from_dict(gj.EngineConfig, dict(
+            max_seq_len=64, prefill_chunk=16, max_batch=2, layer_weights=lw, **extra)))
+        outs[lw], hashes[lw] = eng.generate(prompts, params, return_logits=True), eng.weights_sha256
+    a, b = outs["stacked"], outs["per_layer"]
+    assert a.tokens == b.tokens, f"seed={seed}"
+    for p, x, y in zip(prompts, a.logits, b.logits):
+        tol = logits_tolerance(cfg, context=len(p) + 9, reference=x)
+        np.testing.assert_allclose(y, x, rtol=0, atol=tol, err_msg=f"seed={seed}")
+    assert hashes["stacked"] == hashes["per_layer"], f"seed={seed}"
+    assert not model.layers.per_layer
+    np.testing.assert_array_equal(np.asarray(model.layers.wq[...]), stacked_wq)
+
+
+def test_layer_weights_is_checked():
+    with pytest.raises(ConfigError, match="layer_weights"):
+        gj.EngineConfig(layer_weights="rows")

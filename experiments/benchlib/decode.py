@@ -40,14 +40,14 @@ from gemini_jax.runtime.multistep import LoopInputs, LoopSpec
 class DecodeHarness:
     def __init__(self, model, *, kind: str, context: int, new_tokens: int, block_size: int = 16,
                  seed: int = 0, batch: int = 1, sparse: SparseConfig | None = None, steps_per_call: int = 1,
-                 cache_dtype: str | None = None):
+                 cache_dtype: str | None = None, layer_weights: str = "per_layer"):
         cfg = model.cfg
         # NOTE: max_seq_len = context + new_tokens for every variant, and a pool sized for the
         # batch (max_batch=batch), so no variant pays for a bigger buffer than it needs.
         self.eng = gj.Engine(model, gj.EngineConfig(
             max_seq_len=context + new_tokens, max_batch=batch, decode_steps_per_call=steps_per_call,
             cache=CacheConfig(kind=kind, block_size=block_size, prefix_caching=False, dtype=cache_dtype),
-            sparse=sparse or SparseConfig()))
+            sparse=sparse or SparseConfig(), layer_weights=layer_weights))
         self.batch, self.k = batch, steps_per_call
         self.kind, self.context, self.capacity = kind, context, context + new_tokens
         self.stats = new_stats()

@@ -61,8 +61,47 @@ class LayerStack(nnx.Module):
                 init = (std * jax.random.normal(rngs.params(), full, jnp.float32)).astype(dtype)
             setattr(self, name, nnx.Param(init))
 
+    def _params(self) -> dict[str, nnx.Param]:
+        return {k: v for k, v in vars(self).items() if isinstance(v, nnx.Param)}
+
+    @property
+    def per_layer(self) -> bool:
+        """True when each layer's weights are separate buffers (`unstack_layers`), not one array."""
+        return any(isinstance(v.get_value(), tuple) for v in self._params().values())
+
     def arrays(self) -> dict[str, jax.Array]:
-        return {k: v[...] for k, v in vars(self).items() if isinstance(v, nnx.Param)}
+        """The stacked weights [num_layers, ...] (stacked here when they are held per layer)."""
+        return {k: jnp.stack(v.get_value()) if isinstance(v.get_value(), tuple) else v[...]
+                for k, v in self._params().items()}
+
+    def layer(self, idx) -> dict[str, jax.Array]:
+        """Layer `idx`'s weights (`idx` a Python int, or traced): its own buffers when held per
+        layer, else a slice of the stacked arrays."""
+        if not self.per_layer:
+            return {k: v[...][idx] for k, v in self._params().items()}
+        held = {k: v.get_value() for k, v in self._params().items()}
+        if isinstance(idx, (int, np.integer)):
+            return {k: t[int(idx)] for k, t in held.items()}
+        # A traced index (the tiered runner's per-layer programs, one compile for every layer):
+        # a switch whose branch returns that layer's buffers (one layer copied, as a slice would).
+        return jax.lax.switch(idx, [functools.partial(lambda j: {k: t[j] for k, t in held.items()}, j)
+                                    for j in range(len(next(iter(held.values()))))])
+
+
+def unstack_layers(state):
+    """A model state (`nnx.split`) whose layer weights are one buffer per layer (a tuple of
+    `num_layers` arrays per name) instead of one stacked array. Decode programs over it read each
+    layer's weights where they lie: a scan over the stacked arrays copies every layer's slice
+    before its matmuls (XLA's dynamic-slice materializes), which doubles a decode step's weight
+    traffic. The decoder then runs its layers unrolled (`Decoder.__call__`). The per-layer bytes
+    in tree order are the stacked bytes, so `params_sha256` is unchanged."""
+    layers = state["layers"]
+    for name in list(layers.keys()):
+        v = layers[name]
+        arr = v.get_value()
+        if not isinstance(arr, tuple):
+            layers[name] = v.replace(tuple(arr[i] for i in range(arr.shape[0])))
+    return state
 
 
 # A KV backend attends the new queries to past + new keys and returns its updated cache.
@@ -126,8 +165,12 @@ class Decoder(nnx.Module):
 
         if remat:
             layer_fn = jax.checkpoint(layer_fn)
-        xs = (self.layers.arrays(), jnp.arange(cfg.num_layers))
-        (h, cache), _ = jax.lax.scan(layer_fn, (h, cache), xs)
+        if self.layers.per_layer:  # unrolled: each layer reads its own buffers (`unstack_layers`)
+            for i in range(cfg.num_layers):
+                (h, cache), _ = layer_fn((h, cache), (self.layers.layer(i), i))
+        else:
+            xs = (self.layers.arrays(), jnp.arange(cfg.num_layers))
+            (h, cache), _ = jax.lax.scan(layer_fn, (h, cache), xs)
         if select is not None:
             h = jnp.take_along_axis(h, select[:, None, None].astype(jnp.int32), axis=1)
         return self.logits(h), cache
@@ -152,8 +195,8 @@ class Decoder(nnx.Module):
         return h
 
     def layer_params(self, idx) -> dict[str, jax.Array]:
-        """Layer `idx`'s weights (idx may be traced)."""
-        return {k: v[idx] for k, v in self.layers.arrays().items()}
+        """Layer `idx`'s weights (`LayerStack.layer`)."""
+        return self.layers.layer(idx)
 
     def _rope_tables(self, positions):
         cfg = self.cfg
