@@ -543,7 +543,7 @@ class EngineConfig:
     buffer per layer and weight, layers unrolled in every program, so a decode step reads each
     weight once where it lies; "stacked": one [num_layers, ...] array per weight under a
     `lax.scan` (compile time independent of depth, but XLA copies each layer's slice before its
-    matmuls: about twice the weight traffic of a decode step). Logits agree to rounding (XLA
+    matmuls: a copy of every layer's weights per decode step). Logits agree to rounding (XLA
     fuses the unrolled layers differently), within the engine's float bound. The engine's copy
     replaces nothing in the `Decoder` you passed: drop your reference to it to hold the weights
     once.

@@ -3,7 +3,8 @@
 Family differences are data in `ModelConfig` (norm kind, sandwich norms, qk-norm, biases,
 soft-caps, per-layer sliding windows and rope), not subclasses. Layer weights are stacked along
 a leading layer axis and the layers run under `jax.lax.scan`, so compile time does not grow with
-depth. Attention over past keys is delegated to a *KV backend* (dense, contiguous cache, paged
+depth; the engine holds them per layer instead (`unstack_layers`), and the layers then run
+unrolled, each reading its own buffers (a scan copies each layer's slice before using it). Attention over past keys is delegated to a *KV backend* (dense, contiguous cache, paged
 cache ...) so the model itself never knows where the KV lives.
 """
 
