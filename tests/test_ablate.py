@@ -152,8 +152,9 @@ def test_prefetch_depth_sweep_runs_over_tiers(tmp_path):
 
 
 def test_prefetch_depth_without_tiers_is_marked_not_applied(tmp_path):
-    proc = run_sweep(tmp_path, "ablate_prefetch_depth", "experiment.prefetch_depth=0,2", "engine.tier.enabled=false")
+    proc = run_sweep(tmp_path, "ablate_prefetch_depth", "experiment.prefetch_depth=2", "engine.tier.enabled=false")
     jobs = load_jobs(tmp_path / "sweep")
+    assert sorted(jobs) == [2]
     for depth, rec in jobs.items():
         assert rec["prefetch"]["applied"] is False and "NOT APPLIED" in rec["prefetch"]["note"]
     assert "NOT APPLIED" in proc.stdout + proc.stderr

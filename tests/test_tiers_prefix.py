@@ -285,8 +285,9 @@ def test_pages_in_the_stored_form_scatter_as_laid_out_pages_do(monkeypatch, dtyp
     assert np.asarray(got[-1])[:, :, pages].any(), f"seed={SEED}: nothing was written"
 
 
+# int8 on the pool without tiers repeats the tiered int8 case's store path: `make test-slow`.
 @pytest.mark.parametrize("tiers, sparse, dtype", [(False, False, None), (True, True, None), (True, True, "int8"),
-                                                  (False, True, "int8")],
+                                                  pytest.param(False, True, "int8", marks=pytest.mark.slow)],
                          ids=["pool", "tiers-sparse", "tiers-sparse-int8", "pool-sparse-int8"])
 def test_a_new_engine_loads_a_stored_prefix_instead_of_prefilling(tmp_path, tiers, sparse, dtype):
     """int8: pages go to disk packed with their scales, and a store of another KV dtype never matches."""
