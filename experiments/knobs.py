@@ -1,14 +1,15 @@
-"""docs/knobs.md: every configuration field, rendered from the frozen dataclasses in gemini_jax/config.py.
+"""docs/knobs.md: every configuration field, rendered from the frozen dataclasses in gemini_jax/config/.
 
     python experiments/knobs.py            # rewrite docs/knobs.md
-    python experiments/knobs.py --check    # exit 1 when docs/knobs.md is not what config.py renders to
+    python experiments/knobs.py --check    # exit 1 when docs/knobs.md is not what config/ renders to
 
 One section per config: where it sits in a Hydra job (and which conf/ group presets it), the class
 docstring as written, then one row per field with its type, its default and the comment written
-beside it (or on the lines above it) in config.py, else the comment beside it in its default conf/
+beside it (or on the lines above it) in its module, else the comment beside it in its default conf/
 preset. Values that conf/'s default presets set
-differently from the dataclass defaults are listed at the end of each section, read from the YAML.
-tests/test_results_files.py fails when the page and config.py disagree.
+differently from the dataclass defaults are listed at the end of each section, read from the YAML. Last,
+the table of which features combine (`gemini_jax.config.compat`).
+tests/test_results_files.py fails when the page and config/ disagree.
 """
 
 from __future__ import annotations
@@ -22,10 +23,12 @@ import os
 import sys
 import textwrap
 import tokenize
+import typing
 
 import yaml
 
 from gemini_jax import config
+from gemini_jax.config import compat
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOC = os.path.join("docs", "knobs.md")
@@ -99,6 +102,19 @@ def _default(f: dataclasses.Field) -> str:
     return "required"
 
 
+def _type(tp) -> str:
+    """A field's resolved type as one reads it: `Literal['xla', 'pallas']`, `Optional[int]`, `CacheConfig`."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Literal:
+        return f"Literal[{', '.join(repr(a) for a in args)}]"
+    if origin is typing.Union and type(None) in args and len(args) == 2:
+        return f"Optional[{_type(args[0] if args[1] is type(None) else args[1])}]"
+    if origin is not None:
+        inner = ", ".join("..." if a is Ellipsis else _type(a) for a in args)
+        return f"{getattr(origin, '__name__', str(origin))}[{inner}]"
+    return getattr(tp, "__name__", str(tp))
+
+
 def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
@@ -160,9 +176,10 @@ def render(root: str = ROOT) -> str:
         "# Knobs",
         "",
         "Every configuration field, generated from the frozen dataclasses in",
-        "[`gemini_jax/config.py`](../gemini_jax/config.py) by `python experiments/knobs.py` (do not edit by hand;",
-        "`tests/test_results_files.py` fails when this page and config.py disagree). Each config validates itself",
-        "when it is built and names the field, the value and what is allowed when it refuses (`ConfigError`).",
+        "[`gemini_jax/config/`](../gemini_jax/config/) (one module per concern) by `python experiments/knobs.py` (do",
+        "not edit by hand; `tests/test_results_files.py` fails when this page and config/ disagree). Each config",
+        "validates itself when it is built and names the field, the value and what is allowed when it refuses",
+        "(`ConfigError`); which features combine is one table, [at the end](#which-features-combine).",
         "",
         "In a Hydra job (`experiments/run.py`, `python -m gemini_jax.serve`) every field is an override,",
         "`engine.sparse.budget=1024`; Hydra checks its type against a schema mirrored from these dataclasses",
@@ -175,7 +192,8 @@ def render(root: str = ROOT) -> str:
         lines.append(f"- `{group}=`: " + ", ".join(f"`{n}`" for n in names))
     lines += ["", "Defaults below are the dataclasses'; where a default preset of `conf/` sets another value, the",
               "section says so (a Hydra job starts from those presets, Python code from the dataclasses).", ""]
-    lines += ["Sections: " + ", ".join(f"[`{s.key}`](#{s.key.replace('.', '')})" for s in SECTIONS) + ".", ""]
+    lines += ["Sections: " + ", ".join(f"[`{s.key}`](#{s.key.replace('.', '')})" for s in SECTIONS)
+              + ", [which features combine](#which-features-combine).", ""]
     for s in SECTIONS:
         lines += [f"## {s.key}", "", f"`{s.cls.__name__}` — {s.where}.", ""]
         doc = inspect.getdoc(s.cls) or ""
@@ -185,18 +203,23 @@ def render(root: str = ROOT) -> str:
         for rel, at in s.presets:
             for key, note in yaml_comments(os.path.join(root, "conf", rel), at).items():
                 conf_notes.setdefault(key, f"{note} (conf/{rel})")
-        lines += ["| field | type | default | note (its comment in config.py, else in the conf/ preset; "
+        hints = typing.get_type_hints(s.cls)
+        lines += ["| field | type | default | note (its comment in config/, else in the conf/ preset; "
                   "the docstring above says the rest) |", "|---|---|---|---|"]
         for f in dataclasses.fields(s.cls):
             key = f"{s.key}.{f.name}"
             note = notes.get(f.name) or conf_notes.get(key, "")
-            lines.append(f"| `{key}` | `{_cell(str(f.type))}` | {_cell(_default(f))} | {_cell(note)} |")
+            lines.append(f"| `{key}` | `{_cell(_type(hints[f.name]))}` | {_cell(_default(f))} | {_cell(note)} |")
         preset = preset_values(s, root)
         if preset:
             lines += ["", "Set otherwise by the default presets: " + "; ".join(
                 f"`{key}={value!r}` in conf/{rel} (dataclass: {default!r})" for rel, key, value, default in preset)
                 + "."]
         lines.append("")
+    lines += ["## Which features combine", "", inspect.getdoc(compat).split("\n\n")[1].replace("\n", " "), "",
+              "| checked | feature | does not run without |", "|---|---|---|"]
+    lines += [f"| {_cell(where)} | `{_cell(r.feature)}` | {_cell(r.needs)} |" for where, r in compat.ROWS]
+    lines.append("")
     return "\n".join(lines)
 
 
@@ -208,7 +231,7 @@ def main(argv=None) -> int:
     text = render()
     same = os.path.exists(path) and open(path).read() == text
     if args.check:
-        verdict = "up to date" if same else "differs from gemini_jax/config.py: run python experiments/knobs.py"
+        verdict = "up to date" if same else "differs from gemini_jax/config/: run python experiments/knobs.py"
         print(f"{DOC}: {verdict}")
         return 0 if same else 1
     if not same:

@@ -89,7 +89,15 @@ SUBSETS: dict[str, list[Job]] = {
                 for name, over, lengths, minutes in (
                     ("dense", ("sparse=off",), "[1024,2048,4096,8000]", 35),
                     ("quest1024", ("sparse=quest", "engine.sparse.budget=1024"), "[1024,2048,4096,8000]", 35),
-                    ("int8_dense", ("sparse=off", "engine.cache.dtype=int8"), "[1024,2048,4096]", 15))],
+                    ("int8_dense", ("sparse=off", "engine.cache.dtype=int8"), "[1024,2048,4096]", 15))]
+    # Bits per byte on held-out text (windows of 2048 tokens, the last 256 scored), float32 KV and the two
+    # quantized ones on the same windows: paired per window by results_tables.smollm2_bpb_block.
+    + [Job(f"perplexity/smollm2_bpb_{tag}_test", ("model=smollm2_135m", "experiment=perplexity", "sparse=off",
+                                                  *over, "experiment.contexts=[2048]", "experiment.windows=32",
+                                                  "experiment.scored=256", "experiment.split=test",
+                                                  f"experiment.out_name=smollm2_bpb_{tag}_test"), 8)
+       for tag, over in (("f32", ()), ("int8", ("engine.cache.dtype=int8",)),
+                         ("fp8", ("engine.cache.dtype=float8_e4m3fn",)))],
     "exactness": [Job("exactness/exactness", ("experiment=exactness",), 4)],
     # Decode over tiers: emulated links (share x depth x link) and the earlier tiers row (bench rows).
     "tiers": [Job("bench_tiers/bench", ("--rows", "tiers_link,tiers", "--out", "experiments/results/bench_tiers"), 30,

@@ -160,6 +160,40 @@ def smollm2_needle_block(results_dir: str) -> str:
     return "\n".join(rows + [""] + tail)
 
 
+SMOLLM2_BPB_MARGIN = 0.01  # quantized KV non-inferior on bits per byte: paired upper end <= +0.01 bits/byte
+
+
+def smollm2_bpb_block(results_dir: str) -> str:
+    """SmolLM2: bits per byte with float32, int8 and fp8 KV on the same test windows, quantized minus
+    float32 paired by window."""
+    recs = {tag: _load(results_dir, f"perplexity/smollm2_bpb_{tag}_test") for tag in ("f32", "int8", "fp8")}
+    base = recs["f32"]
+    if base is None:
+        return _missing("smollm2")
+    rows = ["| KV dtype | context (tokens) | bits/byte [95% t over windows] | − float32, paired [95%] | "
+            f"goal: upper end ≤ +{SMOLLM2_BPB_MARGIN} | file |", "|---|---|---|---|---|---|"]
+    for tag, rec in recs.items():
+        if rec is None:
+            continue
+        for r in rec["records"]:
+            b = next(x for x in base["records"] if x["context"] == r["context"])
+            cell, goal = "—", "—"
+            if tag != "f32":
+                n = min(len(r["per_window"]), len(b["per_window"]))  # the first windows are the same ones
+                diff, lo, hi = mean_t95([q - f for q, f in zip(r["per_window"][:n], b["per_window"][:n])])
+                cell = f"{diff:+.4f} [{lo:+.4f}, {hi:+.4f}] ({n} windows)"
+                goal = "✓" if hi <= SMOLLM2_BPB_MARGIN else "✗"
+            rows.append(f"| {'float32' if tag == 'f32' else tag} | {r['context']} | {r['bits_per_byte']:.4f} "
+                        f"[{r['ci95'][0]:.4f}, {r['ci95'][1]:.4f}] | {cell} | {goal} | "
+                        f"{_link(f'perplexity/smollm2_bpb_{tag}_test')} |")
+    w = base["records"][0]
+    tail = (f"Test windows of held-out standard-library text, {w['windows']} windows x the last "
+            f"{w['scored_per_window']} of {w['context']} tokens scored (about {w['scored_bytes_mean']:.0f} bytes a "
+            f"window) through `engine.score`, dense attention; bits over the UTF-8 bytes the scored tokens decode "
+            f"to. Commit(s) the files came from: {_commits(recs.values())}.")
+    return "\n".join(rows + ["", tail])
+
+
 def bpb_block(results_dir: str) -> str:
     lengths = (2048, 4096, 8192, 16384, 32768)
     rows = ["| preset | trials | " + " | ".join(f"{L // 1024}K" for L in lengths) + " | file |",
@@ -602,7 +636,7 @@ def ruler_block(results_dir: str) -> str:
     return "\n".join(rows + notes)
 
 
-BLOCKS = {"needle": needle_block, "smollm2_needle": smollm2_needle_block, "bpb": bpb_block, "make_run": make_run_block, "exactness": exactness_block,
+BLOCKS = {"needle": needle_block, "smollm2_needle": smollm2_needle_block, "smollm2_bpb": smollm2_bpb_block, "bpb": bpb_block, "make_run": make_run_block, "exactness": exactness_block,
           "decode": decode_block, "tiers": tiers_block, "prefix": prefix_block,
           "serve": serve_block, "reproduce": reproduce_block,
           "kv_quant": kv_quant_block, "code": code_block,

@@ -196,19 +196,23 @@ def run_perplexity(cfg, model, tok, desc):
     contexts = [int(c) for c in ex.contexts]
     eng = gj.Engine(model, _engine_for(cfg, max(contexts) + 16, model))
     draw = Draw(str(ex.split), int(cfg.seed))
-    rows = [perplexity(eng, c, windows=int(ex.windows), scored=int(ex.scored), draw=draw) for c in contexts]
+    rows = [perplexity(eng, c, windows=int(ex.windows), scored=int(ex.scored), draw=draw, tokenizer=tok)
+            for c in contexts]
+    unit = rows[0]["unit"] if rows else "byte"  # byte: the byte model; token: another tokenizer's windows
     uni = unigram_bits_per_byte()
     print(f"model: {desc}")
     for r in rows:
         print(f"{'bits/byte @' + str(r['context']):<28}{r['bits_per_byte']:.3f} "
-              f"[{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}] ({r['windows']} x {r['scored_per_window']} bytes)")
+              f"[{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}] ({r['windows']} x {r['scored_per_window']} {unit}s)")
     print(f"{'unigram baseline':<28}{uni:.3f}")
     result = make_record("perplexity", StudyResult(
         name=ex.out_name, records=rows, split=draw.split, seeds=[draw.seed],
         extra={"unigram_bits_per_byte": uni, "model": desc, "engine": OmegaConf.to_container(cfg.engine)}),
         command=job_command(), config=OmegaConf.to_container(ex, resolve=True))
     md = (f"### bits per byte, held-out stdlib ({desc}; {draw.split} windows)\n\n"
-          f"{int(ex.windows)} windows x {int(ex.scored)} scored bytes per context; 95% t interval over windows.\n\n"
+          f"{int(ex.windows)} windows x {int(ex.scored)} scored {unit}s per context (context in {unit}s"
+          + ("" if unit == "byte" else "; bits over the UTF-8 bytes the scored tokens decode to")
+          + "); 95% t interval over windows.\n\n"
           "| context | bits/byte | 95% interval |\n|---|---|---|\n"
           + "".join(f"| {r['context']} | {r['bits_per_byte']:.3f} | [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}] |\n"
                     for r in rows)

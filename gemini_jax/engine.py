@@ -24,13 +24,14 @@ from flax import nnx
 from gemini_jax import distributed
 from gemini_jax.cache import contiguous_backend
 from gemini_jax.cache.manager import KVCacheManager
-from gemini_jax.cache.paged import paged_backend
+from gemini_jax.attention.dispatch import paged_backend
 from gemini_jax.cache.store import PooledStore
-from gemini_jax.config import EngineConfig, SamplingParams
+from gemini_jax.config import EngineConfig, SamplingParams, compat
 from gemini_jax.errors import ConfigError, ContextLengthError
 from gemini_jax.model import Decoder, unstack_layers, validate_tokens
 from gemini_jax.encoders.prompt import Prompt, check_encoders
 from gemini_jax.runtime import COUNTERS, RunContext, aligned, driver, make_runner, new_stats
+from gemini_jax.runtime.context import model_call
 from gemini_jax.runtime.sequences import SequenceCache
 from gemini_jax.runtime.soft import SoftTable
 from gemini_jax.session import Session, audit, restore_session
@@ -66,22 +67,21 @@ class Engine:
         self.config = config or EngineConfig()
         graphdef, params = nnx.split(model)
         c = self.config.cache
-        aligned.check_model(self.config, model.cfg)
+        compat.check_model(self.config, model.cfg)  # which features run with this model
+        aligned.check_language(self.config)
         self.cache_dtype = jnp.dtype(c.dtype or model.cfg.dtype)
         self.stats = new_stats()  # cumulative over the engine's life (read it like a dict)
-        self.kv = None  # host page bookkeeping (paged caches)
+        self.pages = None  # host page bookkeeping (paged caches)
         self.store = None  # the one owner of device KV (paged caches)
         self._closed = False
         mesh = None
         if self.config.mesh_devices > 1:
-            if c.kind != "paged":
-                raise ConfigError("a device mesh needs the paged cache (cache.kind='paged').")
             mesh = distributed.make_mesh(self.config.mesh, model.cfg)
             params = distributed.shard_params(params, mesh)
         if self.config.layer_weights == "per_layer":
             params = unstack_layers(params)
         if c.kind == "paged":
-            self.kv = KVCacheManager(self.config.num_pages, c.block_size, prefix_caching=c.prefix_caching)
+            self.pages = KVCacheManager(self.config.num_pages, c.block_size, prefix_caching=c.prefix_caching)
             # Built for its config checks too (compact positions refuse a second rope).
             backend = paged_backend(model.cfg, self.config.attention_impl, self.config.sparse,
                                     kernel_platform=self.config.kernel_platform)
@@ -94,17 +94,17 @@ class Engine:
                 self.store = PooledStore(model.cfg, self._store_config(), self.cache_dtype, mesh)
         else:
             backend = contiguous_backend(model.cfg)
-        forward = functools.partial(_run, graphdef, backend)
+        forward = functools.partial(model_call, graphdef, backend)
         soft = SoftTable(model.cfg.vocab_size, model.cfg.hidden_size, model.cfg.dtype, self.config.max_soft_tokens)
         self.ctx = RunContext(graphdef=graphdef, params=params, model_cfg=model.cfg, config=self.config,
                               step=jax.jit(forward, donate_argnums=(1,)), forward=forward,
-                              kv=self.kv, store=self.store, mesh=mesh, soft=soft)
+                              pages=self.pages, store=self.store, mesh=mesh, soft=soft)
         self.prefixes = None
         if self.config.tier.persistent:
             self.prefixes = self._open_prefixes()
             self.ctx = dataclasses.replace(self.ctx, prefixes=self.prefixes)
         # What sessions, the scheduler, snapshots and benchmarks use to hold sequences (None: contiguous).
-        self.sequences = SequenceCache(self.ctx) if self.kv is not None else None
+        self.sequences = SequenceCache(self.ctx) if self.pages is not None else None
 
     def runner(self, batch: int, stats=None):
         """A runner over this engine's cache for `batch` rows (`gemini_jax.runtime`): prefill,
@@ -151,8 +151,6 @@ class Engine:
 
     def _open_prefixes(self) -> PrefixStore:
         """The persistent prefix store of this engine's fingerprint under tier.disk_path."""
-        if self.kv is None:
-            raise ConfigError("tier.persistent stores pages: it needs the paged cache (cache.kind='paged').")
         cfg, dig = self.model_cfg, self.store.device.digests
         spec = PageSpec(num_layers=cfg.num_layers, num_pages=1, kv_heads=cfg.num_kv_heads,
                         block_size=self.config.cache.block_size, head_dim=cfg.head_dim, dtype=self.cache_dtype.name)
@@ -277,9 +275,7 @@ class Engine:
         return sess
 
     def _refuse_aligned_sessions(self, what: str) -> None:
-        if self.config.cache.align != "none":
-            raise ConfigError(f"Engine.{what}: sessions (interrupt, snapshot, resume) do not run with "
-                              f"cache.align={self.config.cache.align!r} yet; use generate / score, or cache.align='none'.")
+        compat.check_use("sessions", self.config, f"Engine.{what}: ")
 
     def score(self, prompts, continuations) -> GenerateOutput:
         """Teacher-forced log-probabilities of `continuations` after `prompts`, computed through
@@ -342,18 +338,6 @@ class Engine:
         out, out_logits = rows.out, rows.out_logits
         lg = [np.stack(x) if x else np.zeros((0, cfg.vocab_size), np.float32) for x in out_logits]
         return out, lg
-
-
-def _run(graphdef, backend, params, cache, tokens, positions, select, rope=None):
-    """One jitted model call: tokens/positions [B, T] -> logits f32[B, V] at `select`, new cache.
-    `rope` [B, T]: the tokens' positions when `positions` are cache slots that differ from them
-    (syntax-aligned pages); None: the same."""
-    model = nnx.merge(graphdef, params)
-    if rope is not None:
-        logits, cache = model(tokens, rope, backend, cache, select=select, slots=positions)
-    else:
-        logits, cache = model(tokens, positions, backend, cache, select=select)
-    return logits[:, 0], cache
 
 
 def _is_single(prompts) -> bool:

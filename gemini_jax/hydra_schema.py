@@ -23,6 +23,8 @@ def _mirror_type(tp):
     args = typing.get_args(tp)
     if dataclasses.is_dataclass(tp):
         return schema_of(tp)
+    if origin is typing.Literal:  # OmegaConf has no Literal: the type of its values (the config checks them)
+        return type(args[0])
     if origin is tuple:
         return List[args[0]]
     if origin is dict or tp is dict:

@@ -21,7 +21,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 import gemini_jax as gj  # noqa: E402
-from gemini_jax.cache.paged import PagedKV  # noqa: E402
+from gemini_jax.attention.pool import PagedKV  # noqa: E402
 from gemini_jax.errors import ConfigError  # noqa: E402
 from gemini_jax.runtime import tiered as tiers_runner  # noqa: E402
 from gemini_jax.testing import random_model, random_prompts, tiny_config  # noqa: E402

@@ -190,7 +190,7 @@ def test_engine_refusals(model, prompt):
         assert len(slots) - len(prompt) > 0
         with pytest.raises(ContextLengthError, match="padding"):
             eng.generate(prompt, SamplingParams(max_new_tokens=room - 1, temperature=0.0))
-        assert not eng.kv.seqs, "a refused request must leave no sequence behind"
+        assert not eng.pages.seqs, "a refused request must leave no sequence behind"
 
 
 def test_non_byte_model_is_refused(model):

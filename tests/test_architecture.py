@@ -5,6 +5,7 @@ also shown to fail on a planted violation, in a copy of the package."""
 import ast
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -167,7 +168,7 @@ def test_blocking_optional_modules_takes_effect():
 # ---- the decode core's boundaries (AST, so strings and comments never count) ---------------------
 OUTSIDE_RUNTIME = ("gemini_jax/serve", "gemini_jax/session", "gemini_jax/eval", "experiments")
 ENGINE_NAMES = {"engine", "eng", "e", "_engine"}
-INTERNALS = {"kv", "store", "ctx", "prefixes"}
+INTERNALS = {"pages", "store", "ctx", "prefixes"}
 STORES = {"TieredStore", "PooledStore"}
 SAMPLERS = {"sample", "sample_with", "token_keys", "keys_from"}
 
@@ -190,7 +191,7 @@ def _last_name(node):
 
 def boundary_violations(root) -> dict:
     """What the decode core's boundaries forbid, as "path:line: what" per rule:
-    - `engine_internals`: `<engine>.kv / .store / .ctx / .prefixes` in serve/, session/, eval/ and
+    - `engine_internals`: `<engine>.pages / .store / .ctx / .prefixes` in serve/, session/, eval/ and
       experiments/ (they use `engine.sequences`, `engine.runner`, `engine.tier_stats`);
     - `store_isinstance`: `isinstance(x, TieredStore | PooledStore)` outside cache/ and tiers/
       (callers read the store's capabilities);
@@ -225,7 +226,7 @@ def test_decode_core_boundaries_hold():
 
 
 PLANTS = {
-    "engine_internals": ("gemini_jax/serve/scheduler.py", "\n\ndef _planted(engine):\n    return engine.kv.pool\n"),
+    "engine_internals": ("gemini_jax/serve/scheduler.py", "\n\ndef _planted(engine):\n    return engine.pages.pool\n"),
     "store_isinstance": ("gemini_jax/runtime/paged.py",
                          "\n\ndef _planted(s):\n    from gemini_jax.tiers import TieredStore\n"
                          "    return isinstance(s, (int, TieredStore))\n"),
@@ -245,3 +246,46 @@ def test_boundary_check_finds_each_planted_violation(tmp_path):
         found = boundary_violations(str(root))
         assert len(found[rule]) == 1 and found[rule][0].startswith(rel), (rule, found)
         assert all(not v for k, v in found.items() if k != rule), (rule, found)
+
+
+def test_readme_decode_path_names_at_most_six_modules_that_exist():
+    """The README's decode path (from `Engine.generate` to the kernel) is a short list of hops, each
+    with its file: at most six modules of gemini_jax on the way, every one of them in the tree."""
+    with open(os.path.join(ROOT, "README.md")) as fh:
+        text = fh.read()
+    start = text.index("The decode path of `eng.generate`")
+    para = text[start:text.index("call to the kernel", start)]
+    chain = para[para.index("`Engine.generate`"):]
+    # The main chain's files; a parenthesis that names the tiered alternative is not a hop.
+    files = []
+    for name in re.findall(r"`([a-z_/]+\.py)", re.sub(r"; `runtime/tiered\.py` over tiers", "", chain)):
+        path = name if name.startswith("gemini_jax/") else f"gemini_jax/{name}"
+        assert os.path.isfile(os.path.join(ROOT, path)), f"README's decode path names {name}, not a file"
+        if path not in files:
+            files.append(path)
+    assert files[0] == "gemini_jax/engine.py" and "gemini_jax/attention/dispatch.py" in files, files
+    assert len(files) <= 6, f"{len(files)} modules on the decode path: {files}"
+    assert "pallas_kernels/" in chain
+
+
+def test_both_stores_implement_the_kv_store_protocol():
+    """`PooledStore` and `TieredStore` offer every member of `KVStore` with its parameters, so
+    callers can hold either through the protocol (and read capabilities, never the class)."""
+    import inspect
+
+    from gemini_jax.cache.store import KVStore, PooledStore
+    from gemini_jax.tiers import TieredStore
+
+    members = [n for n in dir(KVStore) if not n.startswith("_")]
+    assert {"update", "gather", "scatter", "device", "layerwise", "supports_padding"} <= set(members) | set(
+        KVStore.__annotations__)
+    for cls in (PooledStore, TieredStore):
+        for name in members:
+            want, got = getattr(KVStore, name), getattr(cls, name, None)
+            assert got is not None, f"{cls.__name__} lacks {name}"
+            if callable(want) and not isinstance(want, property):
+                assert list(inspect.signature(got).parameters) == list(inspect.signature(want).parameters), \
+                    f"{cls.__name__}.{name}{inspect.signature(got)} differs from KVStore.{name}{inspect.signature(want)}"
+            assert isinstance(want, property) == isinstance(got, property), f"{cls.__name__}.{name}"
+        for cap in KVStore.__annotations__:
+            assert isinstance(getattr(cls, cap), bool), f"{cls.__name__}.{cap} is a class-level capability"

@@ -7,7 +7,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 import gemini_jax as gj
-from gemini_jax.config import EngineConfig, HardwareConfig, ModelConfig, from_dict
+from gemini_jax.config import EngineConfig, HardwareConfig, ModelConfig, compat, from_dict
 from gemini_jax.errors import ConfigError
 from gemini_jax.hydra_schema import build, register
 from gemini_jax.testing import tiny_config
@@ -127,3 +127,63 @@ def test_hardware_tiers_take_no_attention_path():
     with pytest.raises(ConfigError, match=r"unknown field\(s\) \['attention_impl'\]"):
         from_dict(HardwareConfig, {"name": "gpu", "device_memory_gb": 80.0, "host_memory_gb": 512.0,
                                    "attention_impl": "pallas"})
+
+
+# ---- which features combine: gemini_jax.config.compat ------------------------------------------------
+def _unchecked(**kw) -> EngineConfig:
+    """An EngineConfig holding `kw` without running its checks (to ask the table about it)."""
+    cfg = object.__new__(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        value = kw.get(f.name, f.default if f.default is not dataclasses.MISSING else f.default_factory())
+        object.__setattr__(cfg, f.name, value)
+    return cfg
+
+
+SPARSE = gj.config.SparseConfig(enabled=True, budget=64)
+TIERS = gj.config.TierConfig(enabled=True, device_fraction=0.5)
+ALIGNED = gj.config.CacheConfig(align="syntax")
+CONTIGUOUS = gj.config.CacheConfig(kind="contiguous")
+# One engine config per ENGINE row (by its index), breaking that row and no other.
+ENGINE_BREAKS = {
+    0: dict(cache=CONTIGUOUS, sparse=SPARSE),
+    1: dict(cache=ALIGNED, attention_impl="pallas"),
+    2: dict(cache=ALIGNED, tier=TIERS),
+    3: dict(cache=ALIGNED, mesh=gj.config.MeshConfig(data=2)),
+    4: dict(cache=ALIGNED, sparse=dataclasses.replace(SPARSE, positions="compact")),
+    5: dict(cache=CONTIGUOUS, tier=TIERS),
+    6: dict(attention_impl="pallas", tier=TIERS),
+    7: dict(tier=TIERS, sparse=dataclasses.replace(SPARSE, rerank=2)),
+    8: dict(cache=CONTIGUOUS, tier=gj.config.TierConfig(persistent=True, disk_path="/nonexistent/prefixes")),
+    9: dict(cache=CONTIGUOUS, mesh=gj.config.MeshConfig(model=2)),
+}
+
+
+@pytest.mark.parametrize("row", range(len(compat.ENGINE)))
+def test_each_row_of_the_engine_table_refuses_its_combination_alone(row):
+    assert sorted(ENGINE_BREAKS) == list(range(len(compat.ENGINE))), "every row needs a breaking config here"
+    kw = dict(max_seq_len=256, **ENGINE_BREAKS[row])
+    cfg = _unchecked(**kw)
+    refusing = [i for i, r in enumerate(compat.ENGINE) if r.refuses(cfg)]
+    assert refusing == [row], f"row {row} ({compat.ENGINE[row].feature}): rows {refusing} refuse {kw}"
+    with pytest.raises(ConfigError) as e:
+        EngineConfig(**kw)
+    assert str(e.value) == compat.ENGINE[row].message(cfg)
+
+
+def test_model_and_use_rows_refuse_by_their_message():
+    byte = tiny_config("tiny", vocab_size=compat.BYTE_VOCAB)
+    for kw, model, row in ((dict(cache=ALIGNED), tiny_config("tiny", vocab_size=300), 0),
+                           (dict(cache=ALIGNED), tiny_config("gemma2", vocab_size=compat.BYTE_VOCAB), 1),
+                           (dict(sparse=dataclasses.replace(SPARSE, positions="compact")), tiny_config("gemma3"), 2)):
+        cfg = EngineConfig(max_seq_len=256, **kw)
+        with pytest.raises(ConfigError) as e:
+            compat.check_model(cfg, model)
+        assert str(e.value) == compat.MODEL[row].message(cfg, model), f"model row {row}"
+    compat.check_model(EngineConfig(max_seq_len=256, cache=ALIGNED), byte)  # a byte-level full-attention model runs
+    for use in ("sessions", "serving"):
+        for row, cache in enumerate((CONTIGUOUS, ALIGNED)):
+            cfg = EngineConfig(max_seq_len=256, cache=cache)
+            with pytest.raises(ConfigError) as e:
+                compat.check_use(use, cfg, "here: ")
+            assert str(e.value) == "here: " + compat.USES[use][row].message(cfg)
+        compat.check_use(use, EngineConfig(max_seq_len=256))

@@ -249,3 +249,37 @@ def test_a_record_reruns_trial_by_trial_and_a_changed_figure_is_caught():
         reproduce.rerun_needle(eng, {**record, "split": None}, 2)
     with pytest.raises(gj.errors.ConfigError, match="'exactness' record"):
         reproduce.rerun({"name": "e", "study": "exactness"}, 2)
+
+
+class _BitsPerTokenScorer:
+    """Every scored token costs exactly `bits` bits (a log-prob of -bits * ln 2)."""
+
+    def __init__(self, bits: float):
+        self.bits, self.seen = bits, []
+
+    def score(self, prompts, continuations):
+        self.seen += list(zip(prompts, continuations))
+        return SimpleNamespace(tokens=[np.full(len(c), -self.bits * np.log(2)) for c in continuations])
+
+
+def test_bits_per_byte_with_a_bpe_tokenizer_counts_the_bytes_its_tokens_span():
+    """A non-byte tokenizer: windows of `context` tokens of real held-out text, the last `scored`
+    tokens scored, bits per byte = the tail's bits over the UTF-8 bytes its tokens decode to."""
+    from gemini_jax.eval.heldout import heldout_text
+
+    path = gj.pretrained_path("smollm2-135m-instruct")  # the tokenizer only: no weights are read
+    tok = gj.GGUFTokenizer(path)
+    seed, bits = 5, float(np.random.default_rng(5).uniform(0.5, 3.0))
+    scorer = _BitsPerTokenScorer(bits)
+    out = perplexity(scorer, 300, windows=3, scored=40, draw=Draw("test", seed), tokenizer=tok)
+    text = bytes(heldout_text().astype(np.uint8)).decode("utf-8", errors="ignore")
+    assert out["unit"] == "token" and len(out["per_window"]) == 3
+    for (prompt, tail), got in zip(scorer.seen, out["per_window"]):
+        assert len(prompt) + len(tail) == 300 and len(tail) == 40, f"seed={seed}"
+        window = tok.decode(prompt + tail)
+        assert window in text, f"seed={seed}: a window is not a stretch of the held-out text"
+        tail_bytes = len(window.encode()) - len(tok.decode(prompt).encode())
+        assert 40 < tail_bytes < 40 * 8, f"seed={seed}: {tail_bytes} bytes for 40 tokens"
+        assert got == pytest.approx(40 * bits / tail_bytes, rel=1e-12), f"seed={seed}"
+    again = perplexity(_BitsPerTokenScorer(bits), 300, windows=3, scored=40, draw=Draw("test", seed), tokenizer=tok)
+    assert again["per_window"] == out["per_window"], "the same draw gives the same windows"

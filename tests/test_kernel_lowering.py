@@ -116,11 +116,14 @@ def test_backend_gpu_selects_the_gpu_kernels(monkeypatch):
     kernels (seen here by reporting a GPU backend and lowering for CUDA)."""
     cfg = PRESETS["gemma2_9b"]
     # Whatever this test runs on (CI's CPU or a GPU machine), each backend is reported in turn.
+    # The spec resolves the path when it is built (a traced step never asks the backend).
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
-    assert dispatch.kernel_platform(dispatch.AttentionImpl.of(cfg, "pallas")) is None
+    assert dispatch.AttentionImpl.of(cfg, "pallas").platform is None
+    assert dispatch.AttentionImpl.of(cfg, "xla").decode_rows, "CPU: one query per row runs row by row"
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     spec = dispatch.AttentionImpl.of(cfg, "pallas")
-    assert dispatch.kernel_platform(spec) == "gpu"
+    assert spec.platform == "gpu" and not spec.decode_rows
+    assert not dispatch.AttentionImpl.of(cfg, "xla").decode_rows, "GPU: the XLA path gathers the pages"
     fn, args = decode_call(cfg, sparse=False, dtype="bfloat16", block_size=16, platform=None)
     assert_gpu_kernel(lower_for_cuda(fn, args), "paged_decode_gpu", count=2)
 

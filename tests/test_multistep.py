@@ -146,7 +146,7 @@ def test_interrupt_inside_a_call_snapshot_resume_equals_one_step(kind, tmp_path)
                 if len(toks) == stop:
                     sess.interrupt()
             assert sess.position == len(prompt) + stop and sess.tokens == prompt + toks, f"seed={seed} case={case}"
-            assert len(eng.kv.seqs[sess.seq_id].pages) == -(-sess.position // 8), "pages past the state kept"
+            assert len(eng.pages.seqs[sess.seq_id].pages) == -(-sess.position // 8), "pages past the state kept"
             sess.snapshot(str(tmp_path / f"{kind}{case}k{k}"))
             last = np.asarray(sess.logits)
             sess.close()
@@ -155,7 +155,7 @@ def test_interrupt_inside_a_call_snapshot_resume_equals_one_step(kind, tmp_path)
             more = r.run()
             got[k] = (toks, more, last, np.asarray(r.logits))
             r.close()
-            assert not eng.kv.seqs and eng.kv.pool.num_used == 0, "sessions leaked pages"
+            assert not eng.pages.seqs and eng.pages.pool.num_used == 0, "sessions leaked pages"
         (t1, m1, l1, e1), (t8, m8, l8, e8) = got[1], got[8]
         assert t1 == t8 and m1 == m8, f"seed={seed} case={case} stop={stop}"
         tol = logits_tolerance(model.cfg, context=160, reference=[l1, e1])

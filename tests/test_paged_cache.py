@@ -153,11 +153,11 @@ def test_rewind_copies_partial_page_in_the_engine_pool():
     tokens = sess.tokens
     keep = 80  # the rewind keeps 79 tokens' KV (page 1 holds 15 of them) and recomputes the 80th
     page = (keep - 1) // S
-    src = eng.kv.seqs[sess.seq_id].pages[page]
+    src = eng.pages.seqs[sess.seq_id].pages[page]
     k_src, v_src, _ = eng.store.gather([src])  # [L, K, 1, S, D] from the engine's device pool
     assert np.abs(k_src[:, :, 0, :(keep - 1) % S]).max() > 0, "the source page holds no KV"
     sess.rewind(keep)
-    dst = eng.kv.seqs[sess.seq_id].pages[page]
+    dst = eng.pages.seqs[sess.seq_id].pages[page]
     assert dst != src
     n = (keep - 1) % S
     k_dst, v_dst, _ = eng.store.gather([dst])
@@ -173,7 +173,7 @@ def test_rewind_copies_partial_page_in_the_engine_pool():
     tol = logits_tolerance(cfg, context=keep + 4, reference=ref)
     np.testing.assert_allclose(np.stack(logits), ref, atol=tol, rtol=0, err_msg=f"seed={seed}")
     sess.close()
-    assert eng.kv.pool.num_used == 0
+    assert eng.pages.pool.num_used == 0
 
 
 def _run_counting_pages(cfg, seed, prompt_len=120):
@@ -183,13 +183,13 @@ def _run_counting_pages(cfg, seed, prompt_len=120):
         max_seq_len=256, prefill_chunk=16, cache=dict(block_size=8, prefix_caching=False))))
     prompt = random_prompts(np.random.default_rng(seed), cfg.vocab_size, (prompt_len,))[0]
     held = []
-    orig_commit = eng.kv.commit
+    orig_commit = eng.pages.commit
 
     def spy(sid, toks):
         orig_commit(sid, toks)
-        held.append((eng.kv.seqs[sid].num_tokens, len(eng.kv.live_pages())))
+        held.append((eng.pages.seqs[sid].num_tokens, len(eng.pages.live_pages())))
 
-    eng.kv.commit = spy
+    eng.pages.commit = spy
     out = eng.generate(prompt, params, return_logits=True)
     ref = np.asarray(gj.forward(eng.model, prompt + out.tokens))[len(prompt) - 1:len(prompt) + 1]
     tol = logits_tolerance(cfg, context=prompt_len + 2, reference=ref)

@@ -164,7 +164,7 @@ def _wait_idle(state, timeout=60):
 
 def test_a_client_that_disconnects_frees_its_pages(server):
     state = server.state
-    pool = state.engine.kv.pool
+    pool = state.engine.pages.pool
     _wait_idle(state)
     before = pool.num_free
     body = {"model": MODEL_ID, "prompt": _prompts(1, SEED + 2)[0], "max_tokens": 400, "temperature": 0,
@@ -179,7 +179,7 @@ def test_a_client_that_disconnects_frees_its_pages(server):
             assert pool.num_free < before
     _wait_idle(state)
     assert pool.num_free == before, "a disconnected stream kept its pages"
-    assert not state.engine.kv.seqs
+    assert not state.engine.pages.seqs
     metrics = _scrape(server)
     assert metrics[("gemini_jax_requests_total", (("reason", "cancelled"),))] >= 1
 

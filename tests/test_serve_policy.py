@@ -67,28 +67,28 @@ class FakeRunner:
     """The executor: the calls the scheduler makes of a runner, with a real runner's page bookkeeping."""
 
     def __init__(self, kv: KVCacheManager, log: list):
-        self.kv, self.ids, self.log = kv, [], log
+        self.pages, self.ids, self.log = kv, [], log
 
     def _logits(self, sids):
         out = np.zeros((len(sids), V), np.float32)
         for i, s in enumerate(sids):
-            out[i, next_token(self.kv.seqs[s].tokens)] = 10.0
+            out[i, next_token(self.pages.seqs[s].tokens)] = 10.0
         return out
 
     def add(self, sid, toks):
-        return self.kv.add_sequence(sid, toks)
+        return self.pages.add_sequence(sid, toks)
 
     def prefill_piece(self, sid, padded, pos, n):
-        self.kv.reserve(sid, int(pos[0]) + n)
-        self.kv.commit(sid, padded[:n])
+        self.pages.reserve(sid, int(pos[0]) + n)
+        self.pages.commit(sid, padded[:n])
         self.log.append(("prefill", sid, n))
         return self._logits([sid])
 
     def decode(self, tokens, lengths, ids, pad=0):
         real = ids[:len(ids) - pad]
         for sid, tok, n in zip(real, tokens, lengths):
-            self.kv.reserve(sid, int(n) + 1)
-            self.kv.commit(sid, [int(tok)])
+            self.pages.reserve(sid, int(n) + 1)
+            self.pages.commit(sid, [int(tok)])
         self.log.append(("decode", tuple(real)))
         return np.concatenate([self._logits(real), np.zeros((pad, V), np.float32)])
 
@@ -106,9 +106,9 @@ class FakeRunner:
             nxt = []
             for b, sid in enumerate(real):
                 n0 = int(inp.lengths[b]) + steps
-                self.kv.reserve(sid, n0 + 1)
-                self.kv.commit(sid, [tok[b]])
-                nxt.append(next_token(self.kv.seqs[sid].tokens))
+                self.pages.reserve(sid, n0 + 1)
+                self.pages.commit(sid, [tok[b]])
+                nxt.append(next_token(self.pages.seqs[sid].tokens))
             sampled.append(nxt)
             tok = nxt
             steps += 1
@@ -128,14 +128,14 @@ class FakeEngine:
                                    cache=CacheConfig(block_size=block_size, prefix_caching=False, num_pages=num_pages))
         self.model_cfg = MCFG
         self.stats = new_stats()
-        self.kv = KVCacheManager(num_pages, block_size, prefix_caching=False)
-        ctx = RunContext(graphdef=None, params=None, model_cfg=MCFG, config=self.config, step=None, kv=self.kv,
+        self.pages = KVCacheManager(num_pages, block_size, prefix_caching=False)
+        ctx = RunContext(graphdef=None, params=None, model_cfg=MCFG, config=self.config, step=None, pages=self.pages,
                          store=NoBytesStore())
         self.sequences = SequenceCache(ctx)
         self.log: list = []
 
     def runner(self, batch, stats=None):
-        return FakeRunner(self.kv, self.log)
+        return FakeRunner(self.pages, self.log)
 
 
 def _request(rid, rng, n_prompt, n_new, **kw):

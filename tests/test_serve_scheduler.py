@@ -77,9 +77,9 @@ def test_churn_each_request_gets_its_solo_tokens(engine, churn, preempt):
     for i, r in enumerate(reqs):
         assert r.generated == solo[i], f"seed {SEED} {preempt}: request {i} differs from its solo run"
         assert r.finish_reason in ("stop", "length"), (i, r.finish_reason)
-    pool = engine.kv.pool
+    pool = engine.pages.pool
     pool.check()
-    assert pool.num_free == pool.num_pages - 1 and not engine.kv.seqs, "pages left owned after every request ended"
+    assert pool.num_free == pool.num_pages - 1 and not engine.pages.seqs, "pages left owned after every request ended"
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +147,7 @@ def test_priority_overtakes_the_queue_and_cancel_frees_pages(engine, churn):
     assert high.t_first < min(r.t_first for r in queued), "the better priority waited behind the queue"
     assert high.generated == solo[12]
     assert all(r.generated == solo[i] for i, r in enumerate(low) if r is not victim)
-    assert engine.kv.pool.num_free == engine.kv.pool.num_pages - 1 and not engine.kv.seqs
+    assert engine.pages.pool.num_free == engine.pages.pool.num_pages - 1 and not engine.pages.seqs
 
 
 def test_preemption_takes_the_worst_ranked(engine, churn):
@@ -173,12 +173,12 @@ def test_preemption_takes_the_worst_ranked(engine, churn):
 
 def test_bad_requests_are_refused_and_change_nothing(engine):
     sched = Scheduler(engine, ServeConfig())
-    free = engine.kv.pool.num_free
+    free = engine.pages.pool.num_free
     with pytest.raises(TokenError):
         sched.submit(Request("bad", [1, 2, 100000], gj.SamplingParams()))
     with pytest.raises(ContextLengthError, match="max_tokens"):
         sched.submit(Request("long", [1] * 250, gj.SamplingParams(max_new_tokens=10)))
-    assert sched.idle and engine.kv.pool.num_free == free
+    assert sched.idle and engine.pages.pool.num_free == free
 
 
 def test_contiguous_cache_is_refused(model):
@@ -256,7 +256,7 @@ def test_swap_images_gathered_in_powers_of_two_equal_plain_ones_and_compile_once
             compiles.append(event)
 
     with gj.Engine(model, cfg) as engine:
-        kv, store, S = engine.kv, engine.store, engine.config.cache.block_size
+        kv, store, S = engine.pages, engine.store, engine.config.cache.block_size
         lengths = [int(x) for x in rng.integers(17, 36 * S, size=20)]
         seen, compiled_again = set(), []
         jax.monitoring.register_event_duration_secs_listener(on_event)

@@ -68,7 +68,7 @@ def test_resume_equals_fresh_run_50_cases(model, tmp_path):
         prefix = (prompt + gen)[:rewind] + instr if rewind is not None else prompt + gen + instr
         ref = eng.generate(prefix, gj.SamplingParams(max_new_tokens=n, **GREEDY)).tokens
         assert _near_tie_ok(eng, prefix, ours, ref), f"seed={seed} case={case}"
-    assert not eng.kv.seqs and eng.kv.pool.num_used == 0, "sessions leaked pages"
+    assert not eng.pages.seqs and eng.pages.pool.num_used == 0, "sessions leaked pages"
 
 
 def test_sampled_resume_is_reproducible(model, tmp_path):
@@ -108,15 +108,15 @@ def test_branches_share_pages(model, tmp_path):
     sess.snapshot(str(tmp_path / "s"))
     sess.close()
     a = eng.resume(str(tmp_path / "s"), [4, 5])
-    used_one = eng.kv.pool.num_used
+    used_one = eng.pages.pool.num_used
     b = eng.resume(str(tmp_path / "s"), [6, 7, 8])
     # The second branch shares every full page (5 of 43 tokens' pages) and owns only its last page.
-    assert eng.kv.pool.num_used - used_one <= 2
-    shared = set(eng.kv.seqs[a.seq_id].pages[:5]) & set(eng.kv.seqs[b.seq_id].pages[:5])
+    assert eng.pages.pool.num_used - used_one <= 2
+    shared = set(eng.pages.seqs[a.seq_id].pages[:5]) & set(eng.pages.seqs[b.seq_id].pages[:5])
     assert len(shared) == 5
     a.close()
     b.close()
-    assert eng.kv.pool.num_used == 0
+    assert eng.pages.pool.num_used == 0
 
 
 def test_audit_chain_and_tamper(model, tmp_path):
@@ -185,7 +185,7 @@ def test_bad_snapshots(model, tmp_path):
     os.remove(unsealed / "SEALED")
     with pytest.raises(SnapshotError, match="incomplete"):
         eng.resume(str(unsealed), [1])
-    assert eng.kv.pool.num_used == 0
+    assert eng.pages.pool.num_used == 0
 
 
 def test_bad_resume_requests_change_nothing(model, tmp_path):
@@ -194,14 +194,14 @@ def test_bad_resume_requests_change_nothing(model, tmp_path):
     sess.run()
     sess.snapshot(str(tmp_path / "s"))
     sess.close()
-    before = (eng.kv.pool.num_used, dict(eng.kv.seqs))
+    before = (eng.pages.pool.num_used, dict(eng.pages.seqs))
     with pytest.raises(ContextLengthError):
         eng.resume(str(tmp_path / "s"), list(range(40)))
     with pytest.raises(TokenError):
         eng.resume(str(tmp_path / "s"), [1, 2, 10_000])
     with pytest.raises(BudgetExceeded):
         eng.resume(str(tmp_path / "s"), [1, 2], budget=50)
-    assert (eng.kv.pool.num_used, dict(eng.kv.seqs)) == before
+    assert (eng.pages.pool.num_used, dict(eng.pages.seqs)) == before
 
 
 def test_budget_stops_with_partial_result(model):
@@ -265,7 +265,7 @@ def _kill_during_snapshots(tmp_path, kills: int, seed: int):
         r.close()
         restored += 1
     assert killed_with_snapshot == restored == kills, (killed_with_snapshot, restored, kills)
-    assert eng.kv.pool.num_used == 0
+    assert eng.pages.pool.num_used == 0
 
 
 def test_kill_during_snapshot_leaves_restorable(tmp_path):
@@ -291,11 +291,11 @@ def test_soak_1000_cycles(model, tmp_path):
         sess.close()
         sess = eng.resume(str(tmp_path / "s"), [], rewind_to=3, params=gj.SamplingParams(max_new_tokens=2, **GREEDY))
         sess.run()
-        assert eng.kv.pool.num_used <= 1
+        assert eng.pages.pool.num_used <= 1
         if i % 100 == 0:
             rss.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
     sess.close()
-    assert eng.kv.pool.num_used == 0
+    assert eng.pages.pool.num_used == 0
     print("max RSS (KiB) every 100 cycles:", rss)
     assert rss[-1] - rss[1] < 200_000  # < 200 MB growth after warm-up
 

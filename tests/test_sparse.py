@@ -73,13 +73,13 @@ def test_digests_match_pages_after_generate(kind):
     cfg = tiny_config("qwen3")
     eng = _engine(random_model(cfg, 4), dict(enabled=True, budget=64, digest=kind))
     prompt = random_prompts(rng, cfg.vocab_size, (45,))[0]
-    sid_before = set(eng.kv.seqs)
+    sid_before = set(eng.pages.seqs)
     # Keep the sequence alive to inspect its pages: run the runner by hand.
-    from gemini_jax.runtime import PagedRunner, new_stats
+    from gemini_jax.runtime import PooledRunner, new_stats
 
-    runner = PagedRunner(eng.ctx, 1, new_stats())
+    runner = PooledRunner(eng.ctx, 1, new_stats())
     runner.prefill(0, np.asarray(prompt, np.int32))
-    seq = eng.kv.seqs[runner.ids[0]]
+    seq = eng.pages.seqs[runner.ids[0]]
     k = np.asarray(eng.store.device.k)
     dig = np.asarray(eng.store.device.digests)
     for i, page in enumerate(seq.pages):
@@ -93,7 +93,7 @@ def test_digests_match_pages_after_generate(kind):
             tol = float_tolerance(depth=1, terms=count, magnitude=np.abs(keys).max())
             np.testing.assert_allclose(dig[:, :, page], want, atol=tol, rtol=0, err_msg=f"seed={seed} page {page}")
     runner.close()
-    assert set(eng.kv.seqs) == sid_before
+    assert set(eng.pages.seqs) == sid_before
 
 
 def test_quest_score_is_upper_bound():
@@ -362,7 +362,7 @@ def test_score_distance_digests_hold_unroped_keys_and_bound_scores_at_that_dista
     q . k for each of its keys re-roped at `score_distance` tokens before the query."""
     from gemini_jax.attention.select import page_scores, select_step
     from gemini_jax.model import layers as L
-    from gemini_jax.runtime import PagedRunner, new_stats
+    from gemini_jax.runtime import PooledRunner, new_stats
 
     seed = 11
     rng = np.random.default_rng(seed)
@@ -370,9 +370,9 @@ def test_score_distance_digests_hold_unroped_keys_and_bound_scores_at_that_dista
     d = int(rng.integers(8, 60))
     sparse = dict(enabled=True, budget=32, positions="compact", score_distance=d, sparse_prefill=True)
     eng = _engine(random_model(cfg, int(rng.integers(100))), sparse)
-    runner = PagedRunner(eng.ctx, 1, new_stats())
+    runner = PooledRunner(eng.ctx, 1, new_stats())
     runner.prefill(0, np.asarray(random_prompts(rng, cfg.vocab_size, (70,))[0], np.int32))
-    seq = eng.kv.seqs[runner.ids[0]]
+    seq = eng.pages.seqs[runner.ids[0]]
     inv = L.inv_frequencies(cfg.rope, cfg.head_dim)
     k = np.asarray(eng.store.device.k)  # [L, K, P, S, D], roped at true positions
     dig = np.asarray(eng.store.device.digests)

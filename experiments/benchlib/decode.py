@@ -7,7 +7,7 @@ random K/V instead of running prefill:
 
 * contiguous: `_ContiguousRunner` (the runner `Engine.generate` uses) with positions
   [0, context) of its [max_seq_len] buffer filled;
-* paged: `PagedRunner`, with the sequence written through `engine.sequences.write` (pages
+* paged: `PooledRunner`, with the sequence written through `engine.sequences.write` (pages
   reserved and tokens committed, as prefill would leave them, and those pages of the pool filled).
   With a `SparseConfig` (enabled), that call computes the pages' digests from the filled keys by
   the engine's own digest maintenance, `digests.update`, per layer with positions [0, context)

@@ -10,14 +10,15 @@ over device slots and the tiers below.
 from __future__ import annotations
 
 import functools
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from gemini_jax import distributed
-from gemini_jax.attention import digests, kvquant
+from gemini_jax.attention import digests as page_digests
+from gemini_jax.attention import kvquant
 from gemini_jax.cache.shapes import pow2_at_least
 from gemini_jax.config import EngineConfig, ModelConfig
 
@@ -79,6 +80,48 @@ def _pad_pages(x, width: int):
 ROWS_PIECE = 256  # pages per `scatter_rows` program
 
 
+@runtime_checkable
+class KVStore(Protocol):
+    """What a runner, a session and the server ask of a store of device KV; `PooledStore` (below)
+    and `gemini_jax.tiers.TieredStore` implement it (`tests/test_architecture.py` checks both
+    against it, names and parameters). Callers read the capabilities, never the class:
+    `supports_padding` (a decode batch may carry padding rows, which read the null page) and
+    `layerwise` (the store runs a call layer by layer from the host, to make each layer's pages
+    resident first, instead of as one jitted whole-model step)."""
+
+    supports_padding: bool
+    layerwise: bool
+
+    @property
+    def device(self) -> DeviceKV:
+        """The current device arrays (read only: a step replaces them through `update`)."""
+
+    @property
+    def digest_itemsize(self) -> int:
+        """Bytes per digest number (0: no digests)."""
+
+    def update(self, step: Callable[[DeviceKV], tuple]):
+        """Run `step(arrays) -> (new arrays, out)` on the arrays the store owns; returns `out`."""
+
+    def gather(self, pages):
+        """Every layer's KV and digests of physical `pages`, on the host."""
+
+    def scatter(self, pages, k, v, digests=None, *, partial=()) -> None:
+        """Write whole pages (physical ids) of every layer."""
+
+    def scatter_rows(self, pages, rows, digests=None) -> None:
+        """Write whole pages given in the prefix store's row layout."""
+
+    def copy_pages(self, src, dst) -> None:
+        """Private copies of pages `src` at `dst` (a rewind's copy-on-write)."""
+
+    def stats(self) -> dict:
+        """The store's own counters (tiers: residency, prefetch, link)."""
+
+    def close(self) -> None:
+        """Release what the store holds (threads, files)."""
+
+
 class PooledStore:
     """Every page of every layer in one device pool (`[layers, kv_heads, num_pages, S, D]`), with
     digests for every page when sparse attention is on. On a mesh the arrays are sharded by kv
@@ -96,7 +139,7 @@ class PooledStore:
         if sp.enabled:
             # Digests of quantized keys are kept in float32: they score pages, and are small.
             default = jnp.float32 if kvquant.is_quantized(dtype) else dtype
-            dig = digests.create(sp.digest, model_cfg.num_layers, model_cfg.num_kv_heads, config.num_pages,
+            dig = page_digests.create(sp.digest, model_cfg.num_layers, model_cfg.num_kv_heads, config.num_pages,
                                  model_cfg.head_dim, jnp.dtype(sp.digest_dtype or default))
         if mesh is not None:
             k, v, dig = jax.device_put((k, v, dig), distributed.pool_sharding(mesh))
@@ -126,7 +169,7 @@ class PooledStore:
         dig = None if kv.digests is None else np.asarray(kv.digests[:, :, idx])
         return kvquant.to_host(kv.k[:, :, idx]), kvquant.to_host(kv.v[:, :, idx]), dig
 
-    def scatter(self, pages, k, v, digests_=None, *, partial=()) -> None:
+    def scatter(self, pages, k, v, digests=None, *, partial=()) -> None:
         """Write whole pages (physical ids; k, v [L, K, n, S, D], digests [L, K, n, R, D]).
         `partial` matters to tiered stores only (every page here is on device)."""
         del partial
@@ -137,10 +180,10 @@ class PooledStore:
         idx = np.full(width, self._kv.k.shape[2], np.int32)  # past the last page: dropped
         idx[:n] = np.asarray(pages, np.int32)
         pad = functools.partial(_pad_pages, width=width)
-        dig = None if self._kv.digests is None or digests_ is None else pad(digests_)
+        dig = None if self._kv.digests is None or digests is None else pad(digests)
         self._kv = _scatter(self._kv, jnp.asarray(idx), pad(k), pad(v), dig)
 
-    def scatter_rows(self, pages, rows, digests_=None) -> None:
+    def scatter_rows(self, pages, rows, digests=None) -> None:
         """Write whole pages given as the prefix store keeps them: `rows` [n, 2 (k, v), L, K, S, row]
         (row: head_dim numbers, or a quantized vector's bytes and scale, `kvquant.pack`), digests
         [n, L, K, R, D]. Same result as `scatter` of the pages laid out [L, K, n, ...].
@@ -156,7 +199,7 @@ class PooledStore:
             width = pow2_at_least(m)
             idx = np.full(width, self._kv.k.shape[2], np.int32)  # past the last page: dropped
             idx[:m] = pages[a:a + m]
-            part = [rows[a:a + m], None if digests_ is None or self._kv.digests is None else digests_[a:a + m]]
+            part = [rows[a:a + m], None if digests is None or self._kv.digests is None else digests[a:a + m]]
             if width > m:
                 part = [None if x is None else np.pad(x, [(0, width - m)] + [(0, 0)] * (x.ndim - 1)) for x in part]
             self._kv = _scatter_rows(self._kv, jnp.asarray(idx), *part, quant=quant)

@@ -99,7 +99,7 @@ def rerun_bpb(engine, record: dict, n: int, text: np.ndarray | None = None) -> d
             group = list(range(g, min(g + step, total)))
             pairs = [window_pair(text, int(row["context"]), int(row["scored_per_window"]), draw, w) for w in group]
             picks += group
-            now += window_bits(engine, pairs)
+            now += window_bits(engine, pairs, [len(t) for _, t in pairs])  # byte-model records
         for w, b in zip(picks, now):
             was = float(row["per_window"][w])
             rows.append({"context": int(row["context"]), "window": w, "recorded": was, "now": b,

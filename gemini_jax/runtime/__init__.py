@@ -4,7 +4,7 @@
     logits = runner.prefill(row, prompt)      # then runner.decode(tokens, lengths), runner.close()
 
 All runners share the chunking of prompts (`chunking`), the per-call boundary types (`batch`),
-the counters (`counters`) and, over the page pool, one layer body (`cache.paged.write_layer`,
+the counters (`counters`) and, over the page pool, one layer body (`attention.pool.write_layer`,
 `attention.select.select_step`, `attention.sparse.sparse_attention`).
 """
 
@@ -12,7 +12,7 @@ from gemini_jax.runtime.aligned import AlignedRunner
 from gemini_jax.runtime.context import RunContext
 from gemini_jax.runtime.contiguous import ContiguousRunner
 from gemini_jax.runtime.counters import COUNTERS, Counters, new_stats
-from gemini_jax.runtime.paged import PagedRunner
+from gemini_jax.runtime.paged import PooledRunner
 from gemini_jax.runtime.tiered import TieredRunner
 
 
@@ -24,7 +24,7 @@ def make_runner(ctx: RunContext, batch: int, stats: Counters):
         return TieredRunner(ctx, batch, stats)
     if ctx.config.cache.align != "none":
         return AlignedRunner(ctx, batch, stats)
-    return PagedRunner(ctx, batch, stats)
+    return PooledRunner(ctx, batch, stats)
 
 
-__all__ = ["AlignedRunner", "COUNTERS", "Counters", "ContiguousRunner", "PagedRunner", "RunContext", "TieredRunner", "make_runner", "new_stats"]
+__all__ = ["AlignedRunner", "COUNTERS", "Counters", "ContiguousRunner", "PooledRunner", "RunContext", "TieredRunner", "make_runner", "new_stats"]

@@ -19,27 +19,18 @@ import dataclasses
 
 import numpy as np
 
-from gemini_jax.config import EngineConfig, ModelConfig
-from gemini_jax.errors import ConfigError, ContextLengthError
+from gemini_jax.config import EngineConfig
+from gemini_jax.errors import ContextLengthError
 from gemini_jax.runtime.batch import StepBatch
-from gemini_jax.runtime.paged import PagedRunner
+from gemini_jax.runtime.paged import PooledRunner
 
 PAD = -1  # a padding slot in a sequence's slot tokens (never a token id: ids are >= 0)
-BYTE_VOCAB = 259  # the byte-level tokenizer's vocabulary: bytes 0..255, BOS, EOS, PAD
-
-
-def check_model(config: EngineConfig, model_cfg: ModelConfig) -> None:
-    """ConfigError unless `cache.align` can run this model (a byte-level, full-attention one) with a
-    known language."""
+def check_language(config: EngineConfig) -> None:
+    """ConfigError unless `cache.align` names a known language (the model's side is
+    `gemini_jax.config.compat.MODEL`)."""
     c = config.cache
     if c.align == "none":
         return
-    if model_cfg.vocab_size != BYTE_VOCAB:
-        raise ConfigError(f"cache.align={c.align!r} reads the prompt's token ids as bytes: it needs a byte-level "
-                          f"model (vocabulary {BYTE_VOCAB}), not one of {model_cfg.vocab_size} tokens.")
-    if any(w > 0 for w in model_cfg.layer_windows):
-        raise ConfigError(f"cache.align={c.align!r}: this model has sliding-window layers, whose windows count "
-                          f"tokens, not slots; aligned pages need a full-attention model.")
     from gemini_jax.code import language_spec  # tree-sitter loads only when pages are aligned
 
     language_spec(c.align_language)  # ConfigError naming the supported languages
@@ -100,8 +91,8 @@ def rope_positions(slots, first: int) -> np.ndarray:
     return (first + np.cumsum(real) - real).astype(np.int32)
 
 
-class AlignedRunner(PagedRunner):
-    """`PagedRunner` over syntax-aligned pages (see the module's docstring)."""
+class AlignedRunner(PooledRunner):
+    """`PooledRunner` over syntax-aligned pages (see the module's docstring)."""
 
     multistep = False
 
@@ -119,7 +110,7 @@ class AlignedRunner(PagedRunner):
         return self._prefill_from(sid, slots, reused)
 
     def _piece_batch(self, sid, padded, positions, n) -> StepBatch:
-        have = self.ctx.kv.seqs[sid].tokens
+        have = self.ctx.pages.seqs[sid].tokens
         first = len(have) - have.count(PAD)
         cfg = self.ctx.config
         self._fills[sid] = page_fill(have + [int(t) for t in padded[:n]], cfg.cache.block_size, cfg.pages_per_seq)
@@ -128,7 +119,7 @@ class AlignedRunner(PagedRunner):
 
     def _decode_batch(self, ids, nxt, lengths) -> StepBatch:
         cfg = self.ctx.config
-        slots = np.array([len(self.ctx.kv.seqs[s].tokens) for s in ids], np.int32)
+        slots = np.array([len(self.ctx.pages.seqs[s].tokens) for s in ids], np.int32)
         if int(slots.max()) >= cfg.max_seq_len:
             raise ContextLengthError(f"decoding past EngineConfig.max_seq_len={cfg.max_seq_len} slots "
                                      f"(syntax-aligned pages count their padding); raise max_seq_len.")

@@ -8,13 +8,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import jax.numpy as jnp
+from flax import nnx
 
 from gemini_jax.config import EngineConfig, ModelConfig
 
 
 @dataclass(frozen=True, kw_only=True)
 class RunContext:
-    """`kv` (host page bookkeeping) and `store` (device KV) are None for the contiguous cache;
+    """`pages` (host page bookkeeping) and `store` (device KV) are None for the contiguous cache;
     `step(params, cache, tokens, positions, select) -> (logits f32[B, V], cache)` is the jitted
     whole-model call over the engine's KV backend (unused by the tiered runner, which runs
     layer by layer); `forward` is the same function unjitted, for programs that loop over it
@@ -26,7 +27,7 @@ class RunContext:
     config: EngineConfig
     step: Callable
     forward: Optional[Callable] = None
-    kv: Any = None  # gemini_jax.cache.manager.KVCacheManager
+    pages: Any = None  # gemini_jax.cache.manager.KVCacheManager: block tables, refcounts, prefix hashes
     store: Any = None  # PooledStore | TieredStore
     mesh: Optional[Any] = None
     prefixes: Any = None  # gemini_jax.tiers.prefix_store.PrefixStore (tier.persistent), else None
@@ -47,3 +48,15 @@ class RunContext:
     def new_ids(self, n: int) -> list[int]:
         """Fresh sequence ids (unique over the engine's life)."""
         return [next(self.seq_ids) for _ in range(n)]
+
+
+def model_call(graphdef, backend, params, cache, tokens, positions, select, rope=None):
+    """One jitted model call: tokens/positions [B, T] -> logits f32[B, V] at `select`, new cache.
+    `rope` [B, T]: the tokens' positions when `positions` are cache slots that differ from them
+    (syntax-aligned pages); None: the same."""
+    model = nnx.merge(graphdef, params)
+    if rope is not None:
+        logits, cache = model(tokens, rope, backend, cache, select=select, slots=positions)
+    else:
+        logits, cache = model(tokens, positions, backend, cache, select=select)
+    return logits[:, 0], cache

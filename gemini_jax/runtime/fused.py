@@ -39,10 +39,11 @@ from gemini_jax.attention import kvquant
 from gemini_jax.attention.select import compact_shift, select_step
 from gemini_jax.attention.dispatch import AttentionImpl, attend_selected
 from gemini_jax.attention.views import PageView, Selection, Span
-from gemini_jax.cache.paged import write_layer
+from gemini_jax.attention.pool import write_layer
 from gemini_jax.cache.store import DeviceKV
 from gemini_jax.config import ModelConfig, SparseConfig
 from gemini_jax.runtime.batch import CallArrays
+from gemini_jax.runtime import lookahead
 from gemini_jax.runtime.context import RunContext
 from gemini_jax.tiers.errors import TierError
 from gemini_jax.tiers.kv_store import TieredStore
@@ -94,13 +95,10 @@ def _program(graphdef, host, spec: FusedSpec):
 
         for layer in range(L):
             if sp_ahead is not None:
-                # Layer l+depth's pages guessed from this layer's input (layer 0: layers 1..depth).
-                for j in (range(1, depth + 1) if layer == 0 else (layer + depth,)):
-                    if j < L:
-                        q_j, _, _ = model.layer_qkv(j, h, positions)
-                        guess = select_step(sp_ahead, digests[j], (q_j, positions), PageView(bt),
-                                            block_size=block_size, window=windows[j], inv_freq=unrope)
-                        io_callback(functools.partial(host.speculate, j), None, guess, ordered=False)
+                for j in lookahead.targets(layer, depth, L):  # no dense layers in this program
+                    guess = lookahead.guess(model, sp_ahead, j, h, call, digests[j], block_size=block_size,
+                                            window=windows[j])
+                    io_callback(functools.partial(host.speculate, j), None, guess, ordered=False)
             slot_table = page_to_slot[layer][bt]
             q, k, v = model.layer_qkv(layer, h, positions)
             k_slots, v_slots, digests = write_layer(k_slots, v_slots, digests, layer, (k, v),
@@ -227,12 +225,11 @@ class FusedDecode:
     def program(self, B: int, W: int, fetch: bool = True):
         ctx, store = self.ctx, self.store
         sp = ctx.config.sparse
-        # Nothing missing also means nothing to prefetch: no lookahead either.
-        ahead = fetch and store.tc.prefetch_depth > 0 and store.tc.lookahead > 0
         key = (B, W, fetch)
         if key not in self._programs:
             spec = FusedSpec(model_cfg=ctx.model_cfg, sp=sp,
-                             sp_ahead=dataclasses.replace(sp, budget=sp.budget * store.tc.lookahead) if ahead else None,
+                             # Nothing missing also means nothing to prefetch: no lookahead either.
+                             sp_ahead=lookahead.selection(sp, store.tc) if fetch else None,
                              depth=store.tc.prefetch_depth, block_size=store.S, fetch_batch=self.batch,
                              dtype=jnp.dtype(store.dtype), fetch=fetch)
             self._programs[key] = _program(ctx.graphdef, self, spec)

@@ -16,7 +16,7 @@ rounding). The runner reserves pages for all `n` tokens before the call and comm
 written after it (one device->host transfer per call).
 
 A runner supplies `step(params, state, consts, tok i32[B], pos i32[B]) -> (logits f32[B, V],
-state, (page_reads, key_reads))` over its cache (`state` is donated); see `PageRunner` and
+state, (page_reads, key_reads))` over its cache (`state` is donated); see `SequenceRunner` and
 `ContiguousRunner`.
 """
 

@@ -1,5 +1,5 @@
-"""Runners over the page pool: `PageRunner` holds what every paged runner does (sequences in the
-page manager, prefill in chunks, decode steps, counters); `PagedRunner` runs each call as one
+"""Runners over the page pool: `SequenceRunner` holds what every paged runner does (sequences in the
+page manager, prefill in chunks, decode steps, counters); `PooledRunner` runs each call as one
 jitted whole-model step over the all-resident pool (`PooledStore`)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import numpy as np
 
 from gemini_jax import distributed
 from gemini_jax.attention import kvquant
-from gemini_jax.cache.paged import PagedKV
+from gemini_jax.attention.pool import PagedKV
 from gemini_jax.cache.store import DeviceKV
 from gemini_jax.runtime import prefixes, soft
 from gemini_jax.runtime.batch import StepBatch
@@ -23,7 +23,7 @@ from gemini_jax.runtime.counters import Counters, DecodeReads, count_decode_read
 from gemini_jax.runtime.multistep import HostOut, LoopInputs, LoopSpec, decode_loop, fetch
 
 
-class PageRunner(abc.ABC):
+class SequenceRunner(abc.ABC):
     """Sequences of one batch in the engine's page manager; freed on close (their full pages stay
     cached for prefix reuse until reallocated). A subclass supplies `_call(batch) -> (logits,
     (page_reads, key_reads, table_width))` and may extend `_reserve`; one that can run several
@@ -41,7 +41,7 @@ class PageRunner(abc.ABC):
         """Register sequence `sid` with prompt `toks`, sharing cached prefix pages (and, with
         tier.persistent, pages an earlier engine stored); returns how many prompt tokens already
         have their KV (a multiple of block_size; the last token is always left to compute)."""
-        reused = self.ctx.kv.add_sequence(sid, toks)
+        reused = self.ctx.pages.add_sequence(sid, toks)
         reused += prefixes.load(self.ctx, sid, toks, reused)  # tier.persistent: pages of earlier engines
         self.stats.prefill_tokens_reused += reused
         return reused
@@ -57,7 +57,7 @@ class PageRunner(abc.ABC):
     def prefill_more(self, row, toks):
         """Append `toks` to sequence `row` (an instruction after an interrupt); last logits."""
         sid = self.ids[row]
-        have = np.asarray(self.ctx.kv.seqs[sid].tokens, np.int32)
+        have = np.asarray(self.ctx.pages.seqs[sid].tokens, np.int32)
         return self._prefill_from(sid, np.concatenate([have, np.asarray(toks, np.int32)]), len(have))
 
     def prefill_piece(self, sid, padded, positions, n):
@@ -67,8 +67,8 @@ class PageRunner(abc.ABC):
         batch = self._piece_batch(sid, padded, positions, n)
         self._reserve(sid, int(batch.ends[0]))
         logits, _ = self._call(batch)
-        ctx.kv.commit(sid, padded[:n])
-        ctx.kv.drop_outside_window(sid, self.window)
+        ctx.pages.commit(sid, padded[:n])
+        ctx.pages.drop_outside_window(sid, self.window)
         count_prefill(self.stats, ctx.model_cfg, n)
         return logits
 
@@ -91,8 +91,8 @@ class PageRunner(abc.ABC):
         """Record tokens written after each row's end (i32[B, n]), dropping pages outside the window.
         `ids`: the rows' sequences (default: the runner's own)."""
         for sid, toks in zip(self.ids if ids is None else ids, written):
-            self.ctx.kv.commit(sid, toks)
-            self.ctx.kv.drop_outside_window(sid, self.window)
+            self.ctx.pages.commit(sid, toks)
+            self.ctx.pages.drop_outside_window(sid, self.window)
 
     def _count(self, page_reads: int, key_reads: int, width: int, steps: int, batch: int | None = None) -> None:
         ctx = self.ctx
@@ -103,8 +103,8 @@ class PageRunner(abc.ABC):
 
     def close(self):
         for sid in self.ids:
-            if sid in self.ctx.kv.seqs:
-                self.ctx.kv.free(sid)
+            if sid in self.ctx.pages.seqs:
+                self.ctx.pages.free(sid)
 
     # ---- shared steps ---------------------------------------------------------------------------
     def _prefill_from(self, sid, toks, start):
@@ -114,7 +114,7 @@ class PageRunner(abc.ABC):
         return logits
 
     def _reserve(self, sid, total):
-        self.ctx.kv.reserve(sid, total)
+        self.ctx.pages.reserve(sid, total)
 
     def _piece_batch(self, sid, padded, positions, n) -> StepBatch:
         """The call of one prefill piece (`prefill_piece`)."""
@@ -129,13 +129,13 @@ class PageRunner(abc.ABC):
         """Run one call; -> (logits f32[B, V], (page_reads, key_reads, table_width))."""
 
 
-class PagedRunner(PageRunner):
+class PooledRunner(SequenceRunner):
     """Each call is one jitted whole-model step over the all-resident pool."""
 
     def _call(self, batch: StepBatch):
         ctx = self.ctx
-        width = call_width(ctx.config, ctx.kv, batch.ids, batch.width)
-        tables = jnp.asarray(ctx.kv.block_tables(batch.ids, width))
+        width = call_width(ctx.config, ctx.pages, batch.ids, batch.width)
+        tables = jnp.asarray(ctx.pages.block_tables(batch.ids, width))
         ends = jnp.asarray(batch.ends, jnp.int32)
         embeds = soft.model_input(ctx, batch.tokens)  # None unless the call holds soft tokens
         tokens = jnp.asarray(batch.tokens) if embeds is None else embeds
@@ -170,8 +170,8 @@ class PagedRunner(PageRunner):
         ids = self.ids if ids is None else list(ids)
         for sid, n0 in zip(ids, np.asarray(inp.lengths)):
             self._reserve(sid, int(n0) + int(inp.n))
-        width = call_width(ctx.config, ctx.kv, ids, 1)
-        tables = jnp.asarray(ctx.kv.block_tables(ids, width))
+        width = call_width(ctx.config, ctx.pages, ids, 1)
+        tables = jnp.asarray(ctx.pages.block_tables(ids, width))
         run = ctx.program(("paged", spec), lambda: decode_loop(functools.partial(_paged_step, ctx.forward), spec,
                                                                 ctx.model_cfg.vocab_size))
         out = fetch(ctx.store.update(lambda kv: run(ctx.params, kv, tables, inp)))

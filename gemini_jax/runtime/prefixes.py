@@ -30,7 +30,7 @@ def load(ctx: RunContext, sid: int, prompt, start: int) -> int:
     last token is left to compute.
     Returns the tokens loaded. A page failing its checksum ends the run of loaded pages there
     (the rest is prefilled): nothing wrong is served, nothing is lost."""
-    store, kv = ctx.prefixes, ctx.kv
+    store, kv = ctx.prefixes, ctx.pages
     if store is None:
         return 0
     S = kv.block_size
@@ -65,7 +65,7 @@ def load(ctx: RunContext, sid: int, prompt, start: int) -> int:
 def persist(ctx: RunContext, sid: int) -> int:
     """Store the full pages of sequence `sid` that the store lacks; returns how many. A failing
     disk stops persisting (TierError is kept on the store as `failure`), never the run."""
-    store, kv = ctx.prefixes, ctx.kv
+    store, kv = ctx.prefixes, ctx.pages
     if store is None or store.failure is not None:
         return 0
     seq = kv.seqs[sid]
@@ -88,4 +88,4 @@ def persist(ctx: RunContext, sid: int) -> int:
 def _text_blocks(ctx: RunContext, tokens) -> int:
     """How many leading full blocks of `tokens` come before its first soft token."""
     soft = np.flatnonzero(np.asarray(tokens) >= ctx.model_cfg.vocab_size)
-    return (int(soft[0]) if len(soft) else len(tokens)) // ctx.kv.block_size
+    return (int(soft[0]) if len(soft) else len(tokens)) // ctx.pages.block_size

@@ -30,7 +30,6 @@ whose pages do not fit) it is the same softmax, summed in parts (equal to roundi
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import time
 
@@ -43,7 +42,7 @@ from gemini_jax.attention.select import compact_shift, select_step
 from gemini_jax.attention.dispatch import AttentionImpl, attend_selected
 from gemini_jax.attention.sparse import merge_parts
 from gemini_jax.attention.views import PageView, Selection, Span
-from gemini_jax.cache.paged import write_layer
+from gemini_jax.attention.pool import write_layer
 from gemini_jax.cache.shapes import pow2_at_least
 from gemini_jax.cache.store import DeviceKV
 from gemini_jax.errors import CacheExhausted
@@ -53,8 +52,8 @@ from gemini_jax.runtime.chunking import call_width
 from gemini_jax.runtime.context import RunContext
 from gemini_jax.runtime.counters import Counters
 from gemini_jax.runtime.fused import FusedDecode
-from gemini_jax.runtime import soft
-from gemini_jax.runtime.paged import PageRunner
+from gemini_jax.runtime import lookahead, soft
+from gemini_jax.runtime.paged import SequenceRunner
 from gemini_jax.tiers.errors import PageCorrupt
 from gemini_jax.tiers.kv_store import TieredStore
 from gemini_jax.tiers.write_log import WriteSpan
@@ -79,11 +78,10 @@ def _logits(prog: LayerProgram, params, h, select):
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("sp",))
 def _lookahead(prog: LayerProgram, params, target: LayerArrays, h, call: CallArrays, digests, *, sp):
-    """Layer `target`'s selection predicted from an earlier layer's input `h` (its q projection of
-    `h` instead of its own input): what the prefetcher should bring before `target` runs."""
-    q, _, _ = nnx.merge(prog.graphdef, params).layer_qkv(target.index, h, call.positions)
-    return select_step(sp, digests[target.index], (q, call.positions), PageView(call.page_table),
-                       block_size=prog.block_size, window=target.window, inv_freq=call.unrope)
+    """Layer `target`'s selection predicted from an earlier layer's input `h`: what the prefetcher
+    should bring before `target` runs."""
+    return lookahead.guess(nnx.merge(prog.graphdef, params), sp, target.index, h, call, digests[target.index],
+                           block_size=prog.block_size, window=target.window)
 
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("sp",))
@@ -92,9 +90,8 @@ def _lookahead_next(prog: LayerProgram, params, first: LayerArrays, logits, call
     (`call` holds the next step's positions)."""
     model = nnx.merge(prog.graphdef, params)
     h = model.embed_tokens(jnp.argmax(logits, axis=-1).astype(jnp.int32)[:, None])
-    q, _, _ = model.layer_qkv(first.index, h, call.positions)
-    return select_step(sp, digests[first.index], (q, call.positions), PageView(call.page_table),
-                       block_size=prog.block_size, window=first.window, inv_freq=call.unrope)
+    return lookahead.guess(model, sp, first.index, h, call, digests[first.index], block_size=prog.block_size,
+                           window=first.window)
 
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("sp",), donate_argnums=(1,))
@@ -139,7 +136,7 @@ def _attend(prog: LayerProgram, kv: DeviceKV, layer: LayerArrays, q, view: tuple
     return merge_parts(acc[0], acc[1], out, lse)
 
 
-class TieredRunner(PageRunner):
+class TieredRunner(SequenceRunner):
     """Sequences of one batch, run layer by layer over a `TieredStore`."""
 
     def __init__(self, ctx: RunContext, batch: int, stats: Counters):
@@ -160,13 +157,13 @@ class TieredRunner(PageRunner):
 
     # ---- bookkeeping ----------------------------------------------------------------------------
     def _reserve(self, sid, total):
-        seq = self.ctx.kv.seqs[sid]
+        seq = self.ctx.pages.seqs[sid]
         before = len(seq.pages)
-        self.ctx.kv.reserve(sid, total)
+        self.ctx.pages.reserve(sid, total)
         self.store.forget(seq.pages[before:])
 
     def _pins(self, bt, starts, ends):
-        store, S, kv = self.store, self.store.S, self.ctx.kv
+        store, S, kv = self.store, self.store.S, self.ctx.pages
         # Every live sequence of the batch keeps its sink and last pages (its partial page among
         # them) pinned, not only the ones in this call: prefill runs one sequence at a time.
         # A call continues the partial page that was the last before it and pins the pages after it.
@@ -184,7 +181,7 @@ class TieredRunner(PageRunner):
         recomputed from the pages' contents), so the retry's result is a clean run's."""
         if not self._replaying:
             for sid, start, end in zip(batch.ids, batch.starts, batch.ends):
-                self.store.writes.record(self.ctx.kv.seqs[sid].pages,
+                self.store.writes.record(self.ctx.pages.seqs[sid].pages,
                                          WriteSpan(int(start), int(end - start), batch.width, batch.decode))
         rebuilt = set()
         while True:
@@ -202,14 +199,14 @@ class TieredRunner(PageRunner):
         ctx, layer, page = self.ctx, *key
         found = self.store.writes.spans(page)
         holder = None if found is None else next(
-            (sid for sid, seq in ctx.kv.seqs.items()
+            (sid for sid, seq in ctx.pages.seqs.items()
              if len(seq.pages) > found[0] and seq.pages[found[0]] == page and seq.num_tokens >= (found[0] + 1) * self.store.S),
             None)
         if holder is None:
             raise PageCorrupt(f"page (layer={layer}, page={page}) failed verification below the device and cannot "
                               f"be recomputed: no call of this engine wrote it (it was restored from a snapshot or "
                               f"copied on a rewind). Restore the snapshot again.", key)
-        toks = np.asarray(ctx.kv.seqs[holder].tokens, np.int32)
+        toks = np.asarray(ctx.pages.seqs[holder].tokens, np.int32)
         self._replaying += 1
         try:
             for sp in found[1]:
@@ -230,8 +227,8 @@ class TieredRunner(PageRunner):
         ctx, store = self.ctx, self.store
         cfg, sp = ctx.model_cfg, ctx.config.sparse
         S, L = store.S, cfg.num_layers
-        width = call_width(ctx.config, ctx.kv, batch.ids, batch.width)
-        bt = ctx.kv.block_tables(batch.ids, width)  # page ids, 0 = null
+        width = call_width(ctx.config, ctx.pages, batch.ids, batch.width)
+        bt = ctx.pages.block_tables(batch.ids, width)  # page ids, 0 = null
         starts, ends, positions = batch.starts, batch.ends, batch.positions
         self._pins(bt, starts, ends)
         B, T = batch.tokens.shape
@@ -261,17 +258,14 @@ class TieredRunner(PageRunner):
         h = soft.model_input(ctx, batch.tokens)  # embeddings when the call holds soft tokens
         h = _embed(self.prog, ctx.params, tokens_d) if h is None else h
         depth = store.tc.prefetch_depth
-        ahead_on = batch.decode and sp.enabled and depth > 0 and store.tc.lookahead > 0
-        # The lookahead guesses roughly: it selects `lookahead` x the budget.
-        sp_ahead = dataclasses.replace(sp, budget=sp.budget * store.tc.lookahead) if ahead_on else None
+        sp_ahead = lookahead.selection(sp, store.tc) if batch.decode else None
         for layer in range(L):
             here = self.layer_args[layer]
             window = int(windows[layer])
-            # Lookahead targets: layer l+depth; layer 0 also covers 1 .. depth-1 (no earlier input
-            # exists in this step). Dispatched now, read after this layer attends.
-            targets = range(1, depth + 1) if layer == 0 else (layer + depth,)
+            # Dispatched now, read after this layer attends.
+            targets = lookahead.targets(layer, depth, L, first=sp.dense_layers) if sp_ahead is not None else ()
             ahead = {j: _lookahead(self.prog, ctx.params, self.layer_args[j], h, call, store.device.digests, sp=sp_ahead)
-                     for j in targets if ahead_on and sp.dense_layers <= j < L}
+                     for j in targets}
             # The pages written here: fresh ones need no fetch; a continued partial page is pinned.
             try:
                 store.admit(layer, continued + fresh, fetch=set(continued))
@@ -317,7 +311,7 @@ class TieredRunner(PageRunner):
                 store.predictor.speculate(j, bt, np.asarray(sel_j), ends)
             store.prefetch(store.predictor.predict(layer))
         logits = _logits(self.prog, ctx.params, h, np.asarray(batch.select, np.int32))
-        if ahead_on and sp.dense_layers == 0:
+        if sp_ahead is not None and sp.dense_layers == 0:
             self._guess_next_layer0(logits, call, bt, ends)
             store.prefetch(store.predictor.lookahead_keys(0))
         if batch.decode:
@@ -332,8 +326,7 @@ class TieredRunner(PageRunner):
         store = self.store
         if int(np.max(ends)) >= bt.shape[1] * store.S:
             return
-        sp = self.ctx.config.sparse
-        sp_ahead = dataclasses.replace(sp, budget=sp.budget * store.tc.lookahead)
+        sp_ahead = lookahead.selection(self.ctx.config.sparse, store.tc)
         nxt = _lookahead_next(self.prog, self.ctx.params, self.layer_args[0], logits,
                               call._replace(positions=call.positions + 1), store.device.digests, sp=sp_ahead)
         store.predictor.speculate(0, bt, np.asarray(nxt), np.asarray(ends) + 1)

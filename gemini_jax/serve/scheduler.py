@@ -32,8 +32,8 @@ from typing import Optional
 
 import numpy as np
 
-from gemini_jax.config import SamplingParams, ServeConfig
-from gemini_jax.errors import CacheExhausted, ConfigError, ContextLengthError
+from gemini_jax.config import SamplingParams, ServeConfig, compat
+from gemini_jax.errors import CacheExhausted, ContextLengthError
 from gemini_jax.model import validate_tokens
 from gemini_jax.runtime import Counters, driver
 from gemini_jax.runtime.chunking import prefill_pieces
@@ -47,11 +47,7 @@ class Scheduler:
     calls it from one thread; other threads only set a request's `*_requested` flags)."""
 
     def __init__(self, engine, config: ServeConfig | None = None, stats: Counters | None = None):
-        if engine.sequences is None:
-            raise ConfigError("serving needs the paged cache (EngineConfig.cache.kind='paged').")
-        if engine.config.cache.align != "none":
-            raise ConfigError(f"serving does not run with cache.align={engine.config.cache.align!r} yet (its batches "
-                              f"join and leave mid-prompt); use cache.align='none'.")
+        compat.check_use("serving", engine.config)
         self.engine = engine
         self.config = config or ServeConfig()
         self.stats = engine.stats if stats is None else stats  # the engine's counters, live

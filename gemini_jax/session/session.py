@@ -20,8 +20,8 @@ from typing import Optional
 import jax.numpy as jnp
 import numpy as np
 
-from gemini_jax.config import SamplingParams
-from gemini_jax.errors import BudgetExceeded, ConfigError, ContextLengthError
+from gemini_jax.config import SamplingParams, compat
+from gemini_jax.errors import BudgetExceeded, ContextLengthError
 from gemini_jax.runtime import driver, new_stats
 from gemini_jax.session import snapshot
 
@@ -31,8 +31,7 @@ class Session:
     the iteration at the next token boundary; `snapshot(path)` saves it; `close()` frees it."""
 
     def __init__(self, engine, params: SamplingParams, *, budget: Optional[int] = None, sample_index: int = 0):
-        if engine.sequences is None:
-            raise ConfigError("sessions need the paged cache (EngineConfig.cache.kind='paged').")
+        compat.check_use("sessions", engine.config)
         self.engine = engine
         self.params = params
         self.budget = budget

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gemini_jax import weights
-from gemini_jax.config import CacheConfig, EngineConfig, SamplingParams, SparseConfig, TierConfig
+from gemini_jax.config import CacheConfig, EngineConfig, SamplingParams, SparseConfig, TierConfig, compat
 from gemini_jax.engine import Engine
 from gemini_jax.errors import ConfigError
 from gemini_jax.eval.record import StudyResult
@@ -257,7 +257,7 @@ def _aligned_row(family: str, seed: int, cfg: Config, params) -> dict:
     from gemini_jax.eval.heldout import heldout_text  # the corpus loads only for this path
     from gemini_jax.runtime import aligned
 
-    model = random_model(tiny_config(family, vocab_size=aligned.BYTE_VOCAB), seed)
+    model = random_model(tiny_config(family, vocab_size=compat.BYTE_VOCAB), seed)
     hay = heldout_text().tobytes()
     rng = np.random.default_rng([seed, 259])
     starts = [m.start() + 1 for m in re.finditer(rb"\n(?:def|class) ", hay[:len(hay) - 256])]
