@@ -8,7 +8,8 @@ import json
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+# Keep the flags the test run set (conftest.py: the compile level) and add the host devices.
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

@@ -86,7 +86,7 @@ def test_distributed_entry_with_mesh_over_tiers(tmp_path):
     cmd = [sys.executable, os.path.join(ROOT, "experiments", "run.py"), "experiment=generate", "distributed=true",
            "tier=disk", f"engine.tier.disk_path={tmp_path / 'kv'}", "engine.mesh={data: 1, model: 2}",
            f"hydra.run.dir={tmp_path / 'run'}", f"wandb.dir={tmp_path / 'wandb'}"]
-    env = {**sandbox_env(tmp_path), "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    env = {**sandbox_env(tmp_path), "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "jax.distributed: single process (no coordinator in env); 1 process(es), 2 device(s)" in proc.stdout
