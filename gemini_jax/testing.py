@@ -104,3 +104,18 @@ def logits_tolerance(cfg: ModelConfig, *, context: int, reference) -> float:
     magnitude = max(float(np.abs(np.asarray(x)).max()) for x in parts if np.size(x))
     return float_tolerance(depth=cfg.num_layers, terms=max(cfg.hidden_size, cfg.intermediate_size, context),
                            magnitude=magnitude)
+
+
+EXACT_CONTRACT = 1e-5
+
+
+def contract_tolerance(bound: float, reference, contract: float = EXACT_CONTRACT) -> float:
+    """The exactness contract (architecture.md §6: 1e-5 × max(1, max |reference|)) or the float
+    bound `bound` (`logits_tolerance`, `float_tolerance`) where that is tighter.
+
+    The contract is relative because the float error is: two compilations of one computation (another
+    vectorisation, another fusion) round differently by a few eps of the values compared, and logits
+    of magnitude 15 sit 6 ulps apart at 1e-5 absolute."""
+    parts = reference if isinstance(reference, (list, tuple)) else [reference]
+    magnitude = max(float(np.abs(np.asarray(x)).max()) for x in parts if np.size(x))
+    return min(contract * max(1.0, magnitude), bound)

@@ -10,7 +10,7 @@ import gemini_jax as gj
 from gemini_jax.eval import is_correct, needle, perplexity, unigram_bits_per_byte, write_needle
 from gemini_jax.eval.needle import NeedlePrompts
 from gemini_jax.eval.trials import Draw
-from gemini_jax.testing import float_tolerance, random_model, tiny_config
+from gemini_jax.testing import contract_tolerance, float_tolerance, random_model, tiny_config
 
 
 class OracleEngine:
@@ -193,8 +193,8 @@ def test_batched_scoring_equals_one_request_at_a_time():
             for n, m in [(40, 12), (37, 12), (51, 12), (45, 12), (30, 7)]]  # groups: 3, 1 (max_batch), 1 (length)
     together = eng.score([p for p, _ in reqs], [c for _, c in reqs]).tokens
     for i, (p, c) in enumerate(reqs):
-        # The contract (gemini_jax.eval.reproduce, under its BPB_TOL): 1e-5; the float bound where tighter.
-        tol = min(1e-5, _logprob_tolerance(model.cfg, len(p) + len(c), together[i]))
+        # The contract (gemini_jax.eval.reproduce, under its BPB_TOL): 1e-5 × max(1, max|ref|); the float bound where tighter.
+        tol = contract_tolerance(_logprob_tolerance(model.cfg, len(p) + len(c), together[i]), together[i], contract=1e-5)
         np.testing.assert_allclose(together[i], eng.score(p, c).tokens, atol=tol, rtol=0,
                                    err_msg=f"seed={seed} request {i}")
 
