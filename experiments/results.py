@@ -97,7 +97,10 @@ SUBSETS: dict[str, list[Job]] = {
                                                   "experiment.scored=256", "experiment.split=test",
                                                   f"experiment.out_name=smollm2_bpb_{tag}_test"), 8)
        for tag, over in (("f32", ()), ("int8", ("engine.cache.dtype=int8",)),
-                         ("fp8", ("engine.cache.dtype=float8_e4m3fn",)))],
+                         ("fp8", ("engine.cache.dtype=float8_e4m3fn",)))]
+    # The RULER-style tasks asked through its chat template, dense and sparse fixed at 1K and 2K tokens
+    # (conf/ruler_grid_smollm2.yaml).
+    + [Job("ruler/smollm2_grid", ("--config-name", "ruler_grid_smollm2"), 40, script="ruler_grid.py")],
     "exactness": [Job("exactness/exactness", ("experiment=exactness",), 4)],
     # Decode over tiers: emulated links (share x depth x link) and the earlier tiers row (bench rows).
     "tiers": [Job("bench_tiers/bench", ("--rows", "tiers_link,tiers", "--out", "experiments/results/bench_tiers"), 30,

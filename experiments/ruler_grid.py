@@ -28,7 +28,7 @@ from gemini_jax.data import ruler as suite
 from gemini_jax.errors import ConfigError
 from gemini_jax.eval.intervals import wilson
 from gemini_jax.eval.record import StudyResult, make_record, write_record
-from gemini_jax.eval.ruler import answer, trial_example
+from gemini_jax.eval.ruler import answer, score, trial_example
 from gemini_jax.eval.trials import Draw
 from gemini_jax.config import EngineConfig
 from gemini_jax.data import corpus
@@ -59,12 +59,19 @@ def check(cfg: DictConfig) -> None:
         raise ConfigError(f"top_p={cfg.top_p} must be in (0, 1].")
 
 
-def load_model(path: str):
-    full = in_checkout(path)
+def load_model(spec: str):
+    """(model, chat tokenizer or None, identity) of a `models` entry: a native checkpoint directory
+    (card + weights sha256), or `pretrained:<name>` (`gj.list_pretrained()`: the tasks are then
+    asked through the model's chat template)."""
+    if spec.startswith("pretrained:"):
+        name = spec.split(":", 1)[1]
+        model, tok = gj.load_pretrained(name)
+        return model, tok, {"pretrained": name, "file": os.path.basename(gj.pretrained_path(name))}
+    full = in_checkout(spec)
     if not tiny.available(full):
-        raise ConfigError(f"no model at {path!r} (card.json missing); export one with experiments/export_tiny.py "
-                          f"+out_dir={path}.")
-    return tiny.load_tiny(full)
+        raise ConfigError(f"no model at {spec!r} (card.json missing); export one with experiments/export_tiny.py "
+                          f"+out_dir={spec}, or name a pretrained model as pretrained:<name> ({gj.list_pretrained()}).")
+    return tiny.load_tiny(full), None, {"path": spec, "weights_sha256": tiny.card(full)["weights_sha256"]}
 
 
 def haystack(name: str) -> np.ndarray:
@@ -85,30 +92,33 @@ def engine_for(mode_overrides: list[str], longest: int, model, batch: int):
     return gj.Engine(model, emulate_hardware(job, build(EngineConfig, data), model)[0])
 
 
-def run_cells(cfg, model_name: str, model, mode: str, overrides: list[str], lengths: list[int], draw: Draw,
+def run_cells(cfg, named: tuple, mode: str, overrides: list[str], lengths: list[int], draw: Draw,
               trials: int, bar) -> tuple[list[dict], list[dict]]:
-    """(cells, trial records) of one (model, mode) over every task and length."""
+    """(cells, trial records) of one (model, mode) over every task and length. `named` = (name,
+    model, chat tokenizer or None)."""
+    model_name, model, tok = named
     hay = haystack(str(cfg.haystack))
     eng = engine_for(overrides, max(lengths), model, int(cfg.batch))
     cells, records = [], []
     try:
         for task in cfg.tasks:
             for i, L in enumerate(lengths):
-                examples = [trial_example(hay, task, lengths, (i, t), draw, str(cfg.kind)) for t in range(trials)]
+                examples = [trial_example(hay, task, lengths, (i, t), draw, str(cfg.kind), tok) for t in range(trials)]
                 kv = digest = steps = 0.0
                 rows = []
                 for b in range(0, trials, int(cfg.batch)):
                     group = examples[b:b + int(cfg.batch)]
                     before = dict(eng.stats)
-                    texts = answer(eng, group)
+                    texts = answer(eng, group, tok)
                     n = (eng.stats["decode_steps"] - before["decode_steps"]) * len(group)
                     kv += eng.stats["kv_bytes_read"] - before["kv_bytes_read"]
                     digest += eng.stats["digest_bytes_read"] - before["digest_bytes_read"]
                     steps += n
                     for t, (e, text) in enumerate(zip(group, texts), b):
-                        exact, recall = suite.score(text, e)
+                        exact, recall = score(text, e, tok is not None)
                         rows.append({"model": model_name, "mode": mode, "task": task, "length": L, "trial": t,
-                                     "answers": list(e.answers), "generated": text, "exact": exact, "recall": recall})
+                                     "tokens": len(e.prompt), "answers": list(e.answers), "generated": text,
+                                     "exact": exact, "recall": recall})
                     bar.update(len(group))
                 hits = sum(r["exact"] for r in rows)
                 lo, hi = wilson(hits, len(rows))
@@ -145,13 +155,13 @@ def calibrate(cfg) -> dict:
     trials = int(cfg.calibration_trials)
     lengths = [int(x) for x in cfg.calibration_lengths]
     model_name = cfg.modes.topp.models[0]
-    model = load_model(cfg.models[model_name])
+    model, tok, _ = load_model(str(cfg.models[model_name]))
     runs = [("fixed", None, list(cfg.modes.fixed.overrides))]
     runs += [("topp", float(p), [*cfg.modes.topp.overrides, f"engine.sparse.top_p={float(p)}"]) for p in cfg.top_p_grid]
     bar = tqdm(total=len(runs) * len(cfg.tasks) * len(lengths) * trials, desc="calibrate top_p", unit="trial")
     rows = []
     for mode, p, over in runs:
-        cells, _ = run_cells(cfg, model_name, model, mode, over, lengths, draw, trials, bar)
+        cells, _ = run_cells(cfg, (model_name, model, tok), mode, over, lengths, draw, trials, bar)
         rows.append({"mode": mode, "top_p": p, "kv_bytes_per_token": float(np.mean([c["kv_bytes_per_token"] for c in cells])),
                      "accuracy": float(np.mean([c["accuracy"] for c in cells]))})
     bar.close()
@@ -225,7 +235,9 @@ def summary(cells: list[dict], tasks: list[str]) -> dict:
 @one_line_errors
 def main(cfg: DictConfig) -> None:
     check(cfg)
-    command = " ".join(["python experiments/ruler_grid.py", *hydra.core.hydra_config.HydraConfig.get().overrides.task])
+    hc = hydra.core.hydra_config.HydraConfig.get()
+    named = [] if hc.job.config_name == "ruler_grid" else ["--config-name", hc.job.config_name]
+    command = " ".join(["python experiments/ruler_grid.py", *named, *hc.overrides.task])
     config = OmegaConf.to_container(cfg, resolve=True)
     config.pop("hydra", None)
     results = in_checkout(str(cfg.results_dir))
@@ -249,10 +261,9 @@ def main(cfg: DictConfig) -> None:
         runs = [(n, m) for n, m in modes.items() if model_name in m["models"]]
         if not runs:
             continue
-        model = load_model(cfg.models[model_name])
-        models[model_name] = {"path": str(cfg.models[model_name]), "weights_sha256": tiny.card(in_checkout(cfg.models[model_name]))["weights_sha256"]}
+        model, tok, models[model_name] = load_model(str(cfg.models[model_name]))
         for name, m in runs:
-            c, r = run_cells(cfg, model_name, model, name, m["overrides"], m["lengths"], draw, trials, bar)
+            c, r = run_cells(cfg, (model_name, model, tok), name, m["overrides"], m["lengths"], draw, trials, bar)
             cells += c
             records += r
     bar.close()

@@ -222,7 +222,7 @@ def run_perplexity(cfg, model, tok, desc):
 
 
 def run_ruler(cfg, model, tok, desc):
-    from gemini_jax.eval.ruler import ruler
+    from gemini_jax.eval.ruler import RulerPrompts, ruler
 
     ex = cfg.experiment
     lengths = [int(x) for x in ex.lengths]
@@ -232,8 +232,9 @@ def run_ruler(cfg, model, tok, desc):
     results, reads = [], {}
     for t in ex.tasks:
         before = dict(eng.stats)
+        chat = tok if hasattr(tok, "apply_chat_template") else None  # a chat model: tasks asked through its template
         results.append(ruler(eng, str(t), lengths, trials=int(ex.trials), haystack=hay, draw=draw,
-                             batch=int(ex.batch), kind=str(ex.kind)))
+                             batch=int(ex.batch), prompts=RulerPrompts(str(ex.kind), chat)))
         # KV (and digest) bytes one sequence read per generated token, over the task's lengths.
         steps = max(eng.stats["decode_steps"] - before["decode_steps"], 1) * int(ex.batch)
         reads[str(t)] = {k: (eng.stats[k] - before[k]) / steps for k in ("kv_bytes_read", "digest_bytes_read")}

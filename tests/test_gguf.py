@@ -521,6 +521,37 @@ def test_chat_needle_prompts_have_their_length_and_their_needle(smollm2, length,
 
 
 @pytest.fixture(scope="module")
+def smollm2_tokenizer(smollm2_path):
+    return gj.GGUFTokenizer(smollm2_path)
+
+
+@pytest.mark.parametrize("task", ["niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "cwe",
+                                  "fwe"])
+def test_chat_ruler_prompts_have_their_length_and_their_answers(smollm2_tokenizer, task):
+    """gemini_jax.data.chat: each RULER-style task asked through the chat template comes within 3% of
+    the length asked for, holds every answer, asks its question in plain English with the assistant's
+    turn open; free-text answers score as RULER scores them (every answer named, in order if asked)."""
+    from gemini_jax.data import chat, ruler
+    from gemini_jax.eval.heldout import heldout_text
+
+    tok, length, seed = smollm2_tokenizer, 1024, 29
+    ex = chat.chat_ruler_example(heldout_text(), tok, task, length, np.random.default_rng(seed))
+    text = tok.decode(ex.prompt)
+    where = f"{task}, seed={seed}"
+    assert abs(len(ex.prompt) - length) <= 0.03 * length, f"{where}: {len(ex.prompt)} tokens for {length}"
+    assert text.endswith(chat.RULER_ANSWER + "<|im_end|>\n<|im_start|>assistant\n"), where
+    assert ruler.MARK not in text and all(a in text for a in ex.answers), where
+    said = "The answers are " + ", ".join(ex.answers) + "."
+    assert chat.chat_ruler_score(said, ex) == (True, 1.0), where
+    assert chat.chat_ruler_score("I do not know.", ex) == (False, 0.0), where
+    if len(ex.answers) > 1:
+        assert chat.chat_ruler_score(ex.answers[0], ex) == (False, 1 / len(ex.answers)), where
+        backwards = chat.chat_ruler_score(", ".join(reversed(ex.answers)), ex)
+        assert backwards == (not ex.ordered, 1.0), where
+    assert not chat.chat_ruler_score(ex.answers[0] + "9", ex)[1] == 1.0 or len(ex.answers) > 1, where
+
+
+@pytest.fixture(scope="module")
 def hf_smollm2(smollm2_path):
     return transformers.AutoModelForCausalLM.from_pretrained(
         os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path), dtype=torch.float32).eval()

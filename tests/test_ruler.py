@@ -14,7 +14,7 @@ import pytest
 
 from gemini_jax.data import corpus, ruler
 from gemini_jax.errors import ConfigError
-from gemini_jax.eval.ruler import ruler as run_suite, trial_example
+from gemini_jax.eval.ruler import RulerPrompts, ruler as run_suite, trial_example
 from gemini_jax.eval.trials import Draw
 
 SEEDS = (3, 17, 40)
@@ -191,4 +191,4 @@ def test_harness_refuses_unknown_task_and_kind(text):
     with pytest.raises(ConfigError, match="task"):
         run_suite(None, "qa", [512], haystack=text)
     with pytest.raises(ConfigError, match="kind"):
-        run_suite(None, "niah_single", [512], haystack=text, kind="emoji")
+        run_suite(None, "niah_single", [512], haystack=text, prompts=RulerPrompts(kind="emoji"))

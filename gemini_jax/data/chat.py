@@ -1,9 +1,11 @@
 """Needle prompts for chat models: real text with a pass key in it, asked through the model's own
-chat template (`GGUFTokenizer.apply_chat_template`), and the turn that adds an instruction after an
-interrupted answer.
+chat template (`GGUFTokenizer.apply_chat_template`), the RULER-style tasks asked the same way, and
+the turn that adds an instruction after an interrupted answer.
 
     ex = chat_needle_example(heldout_text(), tok, 4096, 0.5, np.random.default_rng(0))
     out = engine.generate(ex.prompt, ...);  chat_answer_correct(tok.decode(out.tokens), ex.answer)
+    ex = chat_ruler_example(heldout_text(), tok, "niah_multikey", 2048, np.random.default_rng(0))
+    exact, recall = chat_ruler_score(tok.decode(out.tokens), ex)
 
 The byte-level tasks in `gemini_jax.data.tasks` speak the small byte model's format; these speak
 plain English to an instruction-tuned model. Token counts are the model's own (BPE), so the prompt
@@ -16,7 +18,8 @@ import re
 
 import numpy as np
 
-from gemini_jax.data.tasks import NeedleExample, check_haystack, random_key, text_window
+from gemini_jax.data import ruler as suite
+from gemini_jax.data.tasks import MARK, NeedleExample, check_haystack, random_key, text_window
 from gemini_jax.errors import ConfigError
 
 INTRO = "Below is some Python source code. Somewhere in it is a line with a pass key.\n\n"
@@ -68,3 +71,52 @@ def chat_continuation(tok, instruction: str) -> list[int]:
     full = tok.render_chat([{"role": "user", "content": "?"}, {"role": "assistant", "content": mark},
                             {"role": "user", "content": instruction}])
     return tok.encode(full[full.index(mark) + len(mark):])
+
+
+RULER_INTRO = ("Below is some Python source code with some lines of notes planted in it. Read it, then "
+               "answer the question after it.\n\n")
+RULER_ANSWER = " Answer with a comma-separated list of the answers only."
+# Bytes of a RULER-style prompt per token of SmolLM2's BPE, for the first attempt at a length in
+# tokens (the suite's bodies mix source code with lists of words and numbers).
+RULER_BYTES_PER_TOKEN = 3.5
+
+
+def _ruler_chat(tok, body: str):
+    """The suite's prompt text (its last line the question, "... They are " + MARK) as a chat prompt:
+    the lines as planted, the question asked in plain English. -> (token ids, question)."""
+    head, _, ask = body.rpartition("\n# ")
+    question = ask.split(" They are ")[0].split(" The pass key")[0].strip()
+    content = RULER_INTRO + head.replace(MARK, "").strip("\n") + "\n\n" + question + RULER_ANSWER
+    return tok.apply_chat_template([{"role": "user", "content": content}]), question
+
+
+def chat_ruler_example(text: np.ndarray, tok, task: str, length: int, rng: np.random.Generator,
+                       *, kind: str = "digits") -> suite.RulerExample:
+    """Trial of RULER-style `task` (`gemini_jax.data.ruler`) for a chat model: the suite's prompt
+    built on `text`, its question put in plain English and the whole rendered by the tokenizer's
+    chat template, about `length` tokens (within a few percent: the body is built in bytes, sized
+    from a first try). Answers and their order are the suite's."""
+    check_haystack(text)
+    seed = int(rng.integers(1 << 62))
+    size = int(length * RULER_BYTES_PER_TOKEN)
+    for _ in range(4):  # a first try at the bytes-per-token guess, then again at the rate measured
+        ex = suite.example(task, text, size, np.random.default_rng(seed), kind=kind)
+        body = bytes(int(b) for b in ex.prompt[1:]).decode("utf-8", errors="ignore")
+        ids, _ = _ruler_chat(tok, body)
+        if abs(len(ids) - length) <= 0.03 * length:
+            break
+        size = max(64, int(size * length / len(ids)))
+    return suite.RulerExample(task, np.asarray(ids, np.int32), ex.answers, ex.ordered)
+
+
+def chat_ruler_score(answer: str, ex: suite.RulerExample) -> tuple[bool, float]:
+    """(exact, recall) of a chat model's free-form answer, as RULER scores one: recall is the
+    fraction of the answers it names as words of their own (string-match-all); exact when it
+    names every one, in the asked order where the task asks for one. Like RULER's, the score does
+    not charge extra words: an answer listing every planted key would score on the multi-key task."""
+    words = re.findall(r"[A-Za-z0-9_-]+", answer)
+    hits = [a for a in ex.answers if a in words]
+    recall = len(hits) / len(ex.answers)
+    first = [words.index(a) for a in hits]
+    exact = len(hits) == len(ex.answers) and (not ex.ordered or first == sorted(first))
+    return exact, recall
