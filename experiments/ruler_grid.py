@@ -138,6 +138,8 @@ def modes_of(cfg, top_p: float | None) -> dict[str, dict]:
     cap = cfg.lengths_cap
     for name, mode in cfg.modes.items():
         over = list(mode.overrides)
+        if not mode.models or not mode.lengths:
+            continue  # a mode this grid does not run
         if name == "topp":
             if top_p is None:
                 raise ConfigError("mode topp needs top_p: set top_p=..., or run calibrate=true first.")
@@ -180,7 +182,9 @@ def choose_top_p(rows: list[dict]) -> float:
 
 
 def calibrated_top_p(cfg) -> tuple[float, str]:
-    """(top_p, where it came from)."""
+    """(top_p, where it came from); (None, ...) when no mode reads it."""
+    if not (cfg.modes.get("topp") and cfg.modes.topp.models and cfg.modes.topp.lengths):
+        return None, "not used: the grid runs no top-p mode"
     if cfg.top_p is not None:
         return float(cfg.top_p), "set on the command line"
     path = os.path.join(in_checkout(cfg.results_dir), "ruler", "calibration.json")
