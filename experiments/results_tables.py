@@ -588,10 +588,10 @@ def encoders_block(results_dir: str) -> str:
 RULER_MODES = {"dense": "dense", "fixed": "sparse fixed", "topp": "sparse top-p", "compact_rerank": "compact + rerank"}
 
 
-def ruler_block(results_dir: str) -> str:
-    rec, cal = _load(results_dir, "ruler/grid"), _load(results_dir, "ruler/calibration")
+def ruler_block(results_dir: str, record: str = "ruler/grid", subset: str = "ruler") -> str:
+    rec, cal = _load(results_dir, record), _load(results_dir, "ruler/calibration")
     if rec is None:
-        return _missing("ruler")
+        return _missing(subset)
     cells = rec["cells"]
     cols = list(dict.fromkeys((c["model"], c["mode"]) for c in cells))
     lengths = {col: sorted({c["length"] for c in cells if (c["model"], c["mode"]) == col}) for col in cols}
@@ -629,14 +629,30 @@ def ruler_block(results_dir: str) -> str:
     for task, modes in s.get("aggregation", {}).items():
         notes.append(f"- {task} (aggregation: every part of the context counts), recall of the expected words: "
                      + ", ".join(f"{RULER_MODES.get(m, m)} {v['recall']:.2f}" for m, v in modes.items()))
-    src = (f"top_p {rec['top_p']['value']:g}, chosen on dev trials ({_link('ruler/calibration')}, commit "
-           f"`{cal['commit'][:7]}`)" if cal is not None and rec["top_p"]["source"].startswith("chosen") else
-           f"top_p {rec['top_p']['value']:g} ({rec['top_p']['source']})")
-    notes.append(f"- {rec['split']} trials; {src}. Per cell: {_link('ruler/grid')}, commit `{rec['commit'][:7]}`.")
+    works = s.get("where_dense_works")
+    if works is not None and any(w["modes"] for w in works):
+        notes.append("- Where dense reaches 50% (the only cells that compare methods): "
+                     + "; ".join(f"{w['task']} {w['length'] // 1024}K dense {w['dense'][0]}/{w['dense'][1]}, "
+                                 + ", ".join(f"{RULER_MODES.get(m, m)} {v[0]}/{v[1]}" for m, v in w["modes"].items())
+                                 for w in works if w["modes"])
+                     + (f". Dense stays under 50% on {sum(1 for c in cells if c['mode'] == 'dense') - len(works)} of "
+                        f"{sum(1 for c in cells if c['mode'] == 'dense')} cells." if works else ""))
+    if rec["top_p"]["value"] is None:
+        src = "no top-p mode"
+    elif cal is not None and rec["top_p"]["source"].startswith("chosen"):
+        src = f"top_p {rec['top_p']['value']:g}, chosen on dev trials ({_link('ruler/calibration')}, commit `{cal['commit'][:7]}`)"
+    else:
+        src = f"top_p {rec['top_p']['value']:g} ({rec['top_p']['source']})"
+    notes.append(f"- {rec['split']} trials; {src}. Per cell: {_link(record)}, commit `{rec['commit'][:7]}`.")
     return "\n".join(rows + notes)
 
 
-BLOCKS = {"needle": needle_block, "smollm2_needle": smollm2_needle_block, "smollm2_bpb": smollm2_bpb_block, "bpb": bpb_block, "make_run": make_run_block, "exactness": exactness_block,
+def smollm2_ruler_block(results_dir: str) -> str:
+    """The grid on SmolLM2-135M-Instruct (conf/ruler_grid_smollm2.yaml): tasks through its chat template."""
+    return ruler_block(results_dir, "ruler/smollm2_grid", "smollm2")
+
+
+BLOCKS = {"needle": needle_block, "smollm2_needle": smollm2_needle_block, "smollm2_ruler": smollm2_ruler_block, "smollm2_bpb": smollm2_bpb_block, "bpb": bpb_block, "make_run": make_run_block, "exactness": exactness_block,
           "decode": decode_block, "tiers": tiers_block, "prefix": prefix_block,
           "serve": serve_block, "reproduce": reproduce_block,
           "kv_quant": kv_quant_block, "code": code_block,

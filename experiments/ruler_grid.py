@@ -38,6 +38,7 @@ from run import ROOT, emulate_hardware  # this script's directory is on sys.path
 MODE_NAMES = {"dense": "dense", "fixed": "sparse fixed", "topp": "sparse top-p", "compact_rerank": "compact + rerank"}
 RETRIEVAL_GOAL = 0.9  # the retrained model, dense at 1K, on every retrieval task
 TOPP_GOAL_TASKS = 5   # top-p as accurate as fixed (or better) on at least this many tasks
+DENSE_WORKS = 0.5     # a cell compares methods only where dense reaches this accuracy
 
 
 def in_checkout(path: str) -> str:
@@ -207,6 +208,14 @@ def summary(cells: list[dict], tasks: list[str]) -> dict:
         return (sum(c["hits"] for c in cs), sum(c["trials"] for c in cs), float(np.mean([c["kv_bytes_per_token"] for c in cs]))) if cs else None
 
     out = {"retrieval_1k": {}, "topp_vs_fixed": {}}
+    # Methods compared only where dense works: each (model, task, length) whose dense cell reaches
+    # DENSE_WORKS, with every other mode's hits and KV bytes on the same trials.
+    out["where_dense_works"] = [
+        {"model": d["model"], "task": d["task"], "length": d["length"], "dense": [d["hits"], d["trials"]],
+         "modes": {c["mode"]: [c["hits"], c["trials"], c["kv_bytes_per_token"]] for c in cells
+                   if (c["model"], c["task"], c["length"]) == (d["model"], d["task"], d["length"]) and c["mode"] != "dense"}}
+        for d in cells if d["mode"] == "dense" and d["accuracy"] >= DENSE_WORKS]
+    primary = "tiny_ruler" if any(c["model"] == "tiny_ruler" for c in cells) else (cells[0]["model"] if cells else None)
     for task in tasks:
         if task in suite.RETRIEVAL:
             c = next((c for c in cells if (c["model"], c["mode"], c["task"], c["length"]) == ("tiny_ruler", "dense", task, 1024)), None)
@@ -223,7 +232,7 @@ def summary(cells: list[dict], tasks: list[str]) -> dict:
     out["aggregation"] = {}
     for task in (t for t in tasks if t in suite.AGGREGATION):
         for mode in dict.fromkeys(c["mode"] for c in cells):
-            cs = [c for c in cells if (c["model"], c["mode"], c["task"]) == ("tiny_ruler", mode, task)]
+            cs = [c for c in cells if (c["model"], c["mode"], c["task"]) == (primary, mode, task)]
             if cs:
                 out["aggregation"].setdefault(task, {})[mode] = {
                     "hits": sum(c["hits"] for c in cs), "trials": sum(c["trials"] for c in cs),
