@@ -98,6 +98,12 @@ SUBSETS: dict[str, list[Job]] = {
                                                   f"experiment.out_name=smollm2_bpb_{tag}_test"), 8)
        for tag, over in (("f32", ()), ("int8", ("engine.cache.dtype=int8",)),
                          ("fp8", ("engine.cache.dtype=float8_e4m3fn",)))]
+    # int8 KV against float32 on the needle, decided on >= 300 pairs: 1K and 2K, 5 depths x 30 trials each.
+    + [Job(f"needle/smollm2_{tag}_pairs_test", ("model=smollm2_135m", "experiment=needle", "sparse=off", *over,
+                                                "experiment.lengths=[1024,2048]", f"experiment.depths={DEPTHS5}",
+                                                "experiment.trials=30", "experiment.batch=5", "engine.max_batch=5",
+                                                "experiment.split=test", f"experiment.out_name=smollm2_{tag}_pairs_test"), 30)
+       for tag, over in (("f32", ()), ("int8", ("engine.cache.dtype=int8",)))]
     # The RULER-style tasks asked through its chat template, dense and sparse fixed at 1K and 2K tokens
     # (conf/ruler_grid_smollm2.yaml).
     + [Job("ruler/smollm2_grid", ("--config-name", "ruler_grid_smollm2"), 40, script="ruler_grid.py")],

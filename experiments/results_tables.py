@@ -157,6 +157,17 @@ def smollm2_needle_block(results_dir: str) -> str:
                     f"Goal: the interval's lower end ≥ −{SMOLLM2_QUANT_POINTS:.0f} points over ≥ {SMOLLM2_QUANT_PAIRS} "
                     f"pairs {'✓' if ok else '✗'}" + ("" if ok or p["n"] >= SMOLLM2_QUANT_PAIRS else
                                                      f" ({p['n']} pairs: too few to decide)") + ".")
+    # The decision: 30 trials per (length, depth) at 1K and 2K, float32 and int8 on the same prompts.
+    f32, q8 = (_load(results_dir, f"needle/smollm2_{t}_pairs_test") for t in ("f32", "int8"))
+    if f32 and q8:
+        p = paired_needle(q8, f32)
+        ok = p["lo"] >= -SMOLLM2_QUANT_POINTS and p["n"] >= SMOLLM2_QUANT_PAIRS
+        tail.append(f"int8 KV against float32 on {p['n']} paired test trials at 1K and 2K (5 depths x 30 trials per "
+                    f"length; float32 {p['base']}/{p['n']}, int8 {p['quant']}/{p['n']}; "
+                    f"{_link('needle/smollm2_f32_pairs_test')} / {_link('needle/smollm2_int8_pairs_test')}, commit(s) "
+                    f"{_commits([f32, q8])}): {p['diff']:+.1f} [{p['lo']:+.1f}, {p['hi']:+.1f}] points, "
+                    f"{p['fixed']} fixed, {p['lost']} lost, same text {p['same_text']}/{p['n']}. Goal: lower end "
+                    f"≥ −{SMOLLM2_QUANT_POINTS:.0f} points over ≥ {SMOLLM2_QUANT_PAIRS} pairs {'✓' if ok else '✗'}.")
     return "\n".join(rows + [""] + tail)
 
 
