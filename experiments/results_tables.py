@@ -124,6 +124,11 @@ SMOLLM2_QUANT_POINTS = 3.0  # int8 KV non-inferior: the paired interval's lower 
 SMOLLM2_QUANT_PAIRS = 300  # ... pooled over lengths, with at least this many pairs
 
 
+def _quant_needle_ok(p: dict) -> bool:
+    """The SmolLM2 quantized-needle goal on a `paired_needle` result: non-inferior over enough pairs."""
+    return p["lo"] >= -SMOLLM2_QUANT_POINTS and p["n"] >= SMOLLM2_QUANT_PAIRS
+
+
 def smollm2_needle_block(results_dir: str) -> str:
     """SmolLM2-135M-Instruct: dense vs sparse at one budget and int8 KV vs float32, on the same test
     trials (chat prompts)."""
@@ -151,7 +156,7 @@ def smollm2_needle_block(results_dir: str) -> str:
             f"prompt and its answer inside the model's 8K window); files {files}; commit(s) {_commits(recs.values())}."]
     if dense and int8:
         p = paired_needle(int8, dense)
-        ok = p["lo"] >= -SMOLLM2_QUANT_POINTS and p["n"] >= SMOLLM2_QUANT_PAIRS
+        ok = _quant_needle_ok(p)
         tail.append(f"int8 KV against float32, pooled over the lengths both hold: {p['diff']:+.1f} "
                     f"[{p['lo']:+.1f}, {p['hi']:+.1f}] points over {p['n']} pairs (same text {p['same_text']}/{p['n']}). "
                     f"Goal: the interval's lower end ≥ −{SMOLLM2_QUANT_POINTS:.0f} points over ≥ {SMOLLM2_QUANT_PAIRS} "
@@ -161,7 +166,7 @@ def smollm2_needle_block(results_dir: str) -> str:
     f32, q8 = (_load(results_dir, f"needle/smollm2_{t}_pairs_test") for t in ("f32", "int8"))
     if f32 and q8:
         p = paired_needle(q8, f32)
-        ok = p["lo"] >= -SMOLLM2_QUANT_POINTS and p["n"] >= SMOLLM2_QUANT_PAIRS
+        ok = _quant_needle_ok(p)
         tail.append(f"int8 KV against float32 on {p['n']} paired test trials at 1K and 2K (5 depths x 30 trials per "
                     f"length; float32 {p['base']}/{p['n']}, int8 {p['quant']}/{p['n']}; "
                     f"{_link('needle/smollm2_f32_pairs_test')} / {_link('needle/smollm2_int8_pairs_test')}, commit(s) "
