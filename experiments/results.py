@@ -89,6 +89,9 @@ SUBSETS: dict[str, list[Job]] = {
                 for name, over, lengths, minutes in (
                     ("dense", ("sparse=off",), "[1024,2048,4096,8000]", 35),
                     ("quest1024", ("sparse=quest", "engine.sparse.budget=1024"), "[1024,2048,4096,8000]", 35),
+                    # Budgets 512 and 2048 (2048 covers the whole context at 1K and 2K: only 4K and 8,000).
+                    ("quest512", ("sparse=quest", "engine.sparse.budget=512"), "[1024,2048,4096,8000]", 35),
+                    ("quest2048", ("sparse=quest", "engine.sparse.budget=2048"), "[4096,8000]", 25),
                     ("int8_dense", ("sparse=off", "engine.cache.dtype=int8"), "[1024,2048,4096]", 15))]
     # Bits per byte on held-out text (windows of 2048 tokens, the last 256 scored), float32 KV and the two
     # quantized ones on the same windows: paired per window by results_tables.smollm2_bpb_block.
@@ -98,12 +101,13 @@ SUBSETS: dict[str, list[Job]] = {
                                                   f"experiment.out_name=smollm2_bpb_{tag}_test"), 8)
        for tag, over in (("f32", ()), ("int8", ("engine.cache.dtype=int8",)),
                          ("fp8", ("engine.cache.dtype=float8_e4m3fn",)))]
-    # int8 KV against float32 on the needle, decided on >= 300 pairs: 1K and 2K, 5 depths x 30 trials each.
+    # int8 and fp8 KV against float32 on the needle, decided on >= 300 pairs: 1K and 2K, 5 depths x 30 trials each.
     + [Job(f"needle/smollm2_{tag}_pairs_test", ("model=smollm2_135m", "experiment=needle", "sparse=off", *over,
                                                 "experiment.lengths=[1024,2048]", f"experiment.depths={DEPTHS5}",
                                                 "experiment.trials=30", "experiment.batch=5", "engine.max_batch=5",
                                                 "experiment.split=test", f"experiment.out_name=smollm2_{tag}_pairs_test"), 30)
-       for tag, over in (("f32", ()), ("int8", ("engine.cache.dtype=int8",)))]
+       for tag, over in (("f32", ()), ("int8", ("engine.cache.dtype=int8",)),
+                         ("fp8", ("engine.cache.dtype=float8_e4m3fn",)))]
     # The RULER-style tasks asked through its chat template, dense and sparse fixed at 1K and 2K tokens
     # (conf/ruler_grid_smollm2.yaml).
     + [Job("ruler/smollm2_grid", ("--config-name", "ruler_grid_smollm2"), 40, script="ruler_grid.py")],
