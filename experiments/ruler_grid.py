@@ -27,6 +27,7 @@ from gemini_jax import tiny
 from gemini_jax.data import ruler as suite
 from gemini_jax.errors import ConfigError
 from gemini_jax.eval.intervals import wilson
+from gemini_jax.eval.journal import CellJournal
 from gemini_jax.eval.record import StudyResult, make_record, write_record
 from gemini_jax.eval.ruler import answer, score, trial_example
 from gemini_jax.eval.trials import Draw
@@ -94,16 +95,25 @@ def engine_for(mode_overrides: list[str], longest: int, model, batch: int):
 
 
 def run_cells(cfg, named: tuple, mode: str, overrides: list[str], lengths: list[int], draw: Draw,
-              trials: int, bar) -> tuple[list[dict], list[dict]]:
+              trials: int, bar, journal: CellJournal) -> tuple[list[dict], list[dict]]:
     """(cells, trial records) of one (model, mode) over every task and length. `named` = (name,
-    model, chat tokenizer or None)."""
+    model, chat tokenizer or None). A cell the journal holds (an earlier, interrupted run of the same
+    grid) is taken from it; each cell measured here is added to it as soon as it is done."""
     model_name, model, tok = named
     hay = haystack(str(cfg.haystack))
-    eng = engine_for(overrides, max(lengths), model, int(cfg.batch))
+    eng = None  # built for the first cell the journal lacks
     cells, records = [], []
     try:
         for task in cfg.tasks:
             for i, L in enumerate(lengths):
+                key = (model_name, mode, " ".join(overrides), task, L)
+                done = journal.get(key)
+                if done is not None:
+                    cells.append(done["cell"])
+                    records += done["records"]
+                    bar.update(done["cell"]["trials"])
+                    continue
+                eng = eng or engine_for(overrides, max(lengths), model, int(cfg.batch))
                 examples = [trial_example(hay, task, lengths, (i, t), draw, str(cfg.kind), tok) for t in range(trials)]
                 kv = digest = steps = 0.0
                 rows = []
@@ -123,14 +133,36 @@ def run_cells(cfg, named: tuple, mode: str, overrides: list[str], lengths: list[
                     bar.update(len(group))
                 hits = sum(r["exact"] for r in rows)
                 lo, hi = wilson(hits, len(rows))
-                cells.append({"model": model_name, "mode": mode, "task": task, "length": L, "hits": hits,
-                              "trials": len(rows), "accuracy": hits / len(rows), "ci95": [lo, hi],
-                              "recall": float(np.mean([r["recall"] for r in rows])),
-                              "kv_bytes_per_token": kv / max(steps, 1), "digest_bytes_per_token": digest / max(steps, 1)})
+                cell = {"model": model_name, "mode": mode, "task": task, "length": L, "hits": hits,
+                        "trials": len(rows), "accuracy": hits / len(rows), "ci95": [lo, hi],
+                        "recall": float(np.mean([r["recall"] for r in rows])),
+                        "kv_bytes_per_token": kv / max(steps, 1), "digest_bytes_per_token": digest / max(steps, 1)}
+                journal.add(key, {"cell": cell, "records": rows})
+                cells.append(cell)
                 records += rows
     finally:
-        eng.close()
+        if eng is not None:
+            eng.close()
     return cells, records
+
+
+def open_journal(cfg, results: str, name: str, top_p) -> CellJournal:
+    """The journal of this grid's finished cells (`{results}/ruler/{name}.partial.jsonl`). Its
+    fingerprint is every setting a cell depends on: not `lengths_cap` (which only leaves cells
+    out), `resume` or where the results go."""
+    settings = OmegaConf.to_container(cfg, resolve=True)
+    for k in ("hydra", "lengths_cap", "resume", "results_dir"):
+        settings.pop(k, None)
+    journal = CellJournal(os.path.join(results, "ruler", f"{name}.partial.jsonl"), {**settings, "top_p": top_p},
+                          resume=bool(cfg.resume))
+    if journal.resumed:
+        print(f"resuming {name}: {journal.resumed} cell(s) measured by an earlier run ({journal.path})", flush=True)
+    return journal
+
+
+def journal_note(journal: CellJournal) -> dict:
+    """What the record says of the cells an earlier run measured, and at which commits."""
+    return {"resumed_cells": journal.resumed, "cell_commits": journal.commits()}
 
 
 def modes_of(cfg, top_p: float | None) -> dict[str, dict]:
@@ -151,7 +183,7 @@ def modes_of(cfg, top_p: float | None) -> dict[str, dict]:
     return out
 
 
-def calibrate(cfg) -> dict:
+def calibrate(cfg, journal: CellJournal) -> dict:
     """Choose top_p on dev trials: fixed's mean KV bytes per token, then each candidate's; the
     candidate closest to fixed's without passing it (none under: the cheapest)."""
     draw = Draw("dev", int(cfg.seed))
@@ -164,7 +196,7 @@ def calibrate(cfg) -> dict:
     bar = tqdm(total=len(runs) * len(cfg.tasks) * len(lengths) * trials, desc="calibrate top_p", unit="trial")
     rows = []
     for mode, p, over in runs:
-        cells, _ = run_cells(cfg, (model_name, model, tok), mode, over, lengths, draw, trials, bar)
+        cells, _ = run_cells(cfg, (model_name, model, tok), mode, over, lengths, draw, trials, bar, journal)
         rows.append({"mode": mode, "top_p": p, "kv_bytes_per_token": float(np.mean([c["kv_bytes_per_token"] for c in cells])),
                      "accuracy": float(np.mean([c["accuracy"] for c in cells]))})
     bar.close()
@@ -255,11 +287,14 @@ def main(cfg: DictConfig) -> None:
     config.pop("hydra", None)
     results = in_checkout(str(cfg.results_dir))
     if cfg.calibrate:
-        out = calibrate(cfg)
+        journal = open_journal(cfg, results, "calibration", None)
+        out = calibrate(cfg, journal)
         rec = make_record("ruler", StudyResult(name="calibration", records=out.pop("rows"), split="dev",
-                                               seeds=[int(cfg.seed)], extra={"outcome": out}),
+                                               seeds=[int(cfg.seed)], extra={"outcome": out,
+                                                                             "journal": journal_note(journal)}),
                           command=command, config=config)
         paths = write_record(results, rec, calibration_markdown(rec))
+        journal.close()
         print(calibration_markdown(rec), end="")
         print(f"written {paths['md']}")
         return
@@ -268,6 +303,7 @@ def main(cfg: DictConfig) -> None:
     draw = Draw(str(cfg.split), int(cfg.seed))
     trials = int(cfg.trials)
     total = sum(len(m["models"]) * len(m["lengths"]) for m in modes.values()) * len(cfg.tasks) * trials
+    journal = open_journal(cfg, results, str(cfg.out_name), top_p)
     bar = tqdm(total=total, desc="ruler grid", unit="trial")
     cells, records, models = [], [], {}
     for model_name in cfg.models:
@@ -276,22 +312,33 @@ def main(cfg: DictConfig) -> None:
             continue
         model, tok, models[model_name] = load_model(str(cfg.models[model_name]))
         for name, m in runs:
-            c, r = run_cells(cfg, (model_name, model, tok), name, m["overrides"], m["lengths"], draw, trials, bar)
+            c, r = run_cells(cfg, (model_name, model, tok), name, m["overrides"], m["lengths"], draw, trials, bar,
+                             journal)
             cells += c
             records += r
     bar.close()
     extra = {"cells": cells, "modes": modes, "models": models, "top_p": {"value": top_p, "source": source},
-             "summary": summary(cells, list(cfg.tasks))}
+             "summary": summary(cells, list(cfg.tasks)), "journal": journal_note(journal)}
     rec = make_record("ruler", StudyResult(name=str(cfg.out_name), records=records, split=draw.split,
                                            seeds=[draw.seed], extra=extra), command=command, config=config)
     md = grid_markdown(rec)
     paths = write_record(results, rec, md)
+    journal.close()
     print(md, end="")
     print(f"written {paths['md']}")
 
 
 def _mark(ok) -> str:
     return "—" if ok is None else ("✓" if ok else "✗")
+
+
+def resumed_note(rec: dict) -> str:
+    """' N cells came from an earlier run ...' when the grid was continued from its journal."""
+    j = rec.get("journal") or {}
+    if not j.get("resumed_cells"):
+        return ""
+    at = ", ".join(f"`{c[:7]}` ({n})" for c, n in j["cell_commits"].items())
+    return f" Continued after an interruption: {j['resumed_cells']} cell(s) from the earlier run; cells per commit: {at}."
 
 
 def grid_markdown(rec: dict) -> str:
@@ -305,7 +352,7 @@ def grid_markdown(rec: dict) -> str:
     lines = [f"### RULER-style grid ({rec['split']} trials, seed {rec['seeds'][0]}, {rec['config']['kind']} keys)", "",
              f"Commit `{rec['commit']}`, `{rec['command']}`. Exact match, hits / trials and the 95% Wilson interval; "
              "below it the KV bytes one sequence read per generated token (all layers and kv heads; digests not included). "
-             f"top_p = {rec['top_p']['value']} ({rec['top_p']['source']}).", ""]
+             f"top_p = {rec['top_p']['value']} ({rec['top_p']['source']})." + resumed_note(rec), ""]
     lines.append("| task | length | " + " | ".join(f"{m} {MODE_NAMES.get(mode, mode)}" for m, mode in cols) + " |")
     lines.append("|---|---|" + "---|" * len(cols))
     for task in tasks:
@@ -341,7 +388,7 @@ def calibration_markdown(rec: dict) -> str:
     lines = [f"### top_p for the RULER-style grid, chosen on dev trials ({o['model']}, lengths {o['lengths']}, "
              f"{o['trials_per_cell']} trials per task and length)", "",
              f"Commit `{rec['commit']}`, `{rec['command']}`. The candidate whose mean KV bytes per generated token come "
-             "closest to sparse fixed's without passing them.", "",
+             "closest to sparse fixed's without passing them." + resumed_note(rec), "",
              "| mode | top_p | KV KiB / token | mean exact |", "|---|---|---|---|"]
     for r in rec["records"]:
         p = "" if r["top_p"] is None else f"{r['top_p']:g}"

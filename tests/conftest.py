@@ -34,7 +34,7 @@ import pytest  # noqa: E402
 #   e2e         the entry points a user runs (experiments/*.py, Hydra sweeps, notebooks)
 # A new test module must be listed here: collection fails otherwise, so no test goes unclassified.
 KINDS = {
-    "unit": ("test_architecture", "test_code_encoder", "test_code_nodes", "test_config", "test_corpus", "test_data", "test_encoders", "test_gguf", "test_decode_kernels_gpu", "test_kernel_lowering", "test_paged_cache", "test_paged_decode_kernel", "test_quantized_kernels", "test_ruler",
+    "unit": ("test_architecture", "test_code_encoder", "test_code_nodes", "test_config", "test_corpus", "test_data", "test_encoders", "test_gguf", "test_journal", "test_decode_kernels_gpu", "test_kernel_lowering", "test_paged_cache", "test_paged_decode_kernel", "test_quantized_kernels", "test_ruler",
              "test_sampling", "test_serve_policy", "test_sparse_decode_kernel", "test_tiers_config", "test_tiers_cost",
              "test_tiers_emulate", "test_tiers_link", "test_tiers_prefix", "test_tiers_prefetch", "test_tiers_residency", "test_tiers_stores"),
     "integration": ("test_aligned_pages", "test_engine", "test_prompt_images", "test_eval", "test_kv_quant", "test_mesh", "test_multistep", "test_serve_scheduler", "test_session", "test_sparse", "test_tiers_engine", "test_tiers_recompute",

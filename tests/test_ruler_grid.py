@@ -96,24 +96,41 @@ def test_summary_marks_each_goal_from_the_cells():
 
 
 def test_one_cell_end_to_end_writes_a_record_the_readme_block_renders(tmp_path):
-    """A real run of the script (the shipped model, dense, one task, one trial at 1K): the record has
-    its provenance and the README block renders from it."""
-    cmd = [sys.executable, os.path.join(ROOT, "experiments", "ruler_grid.py"), f"results_dir={tmp_path}",
-           "trials=1", "batch=1", "lengths_cap=1024", "tasks=[niah_single]", "top_p=0.9", "~modes.fixed",
-           "~modes.topp", "~modes.compact_rerank", "modes.dense.models=[tiny]", f"hydra.run.dir={tmp_path / 'run'}"]
+    """A real run of the script (the shipped model, dense, one trial at 1K) over two tasks, continued
+    from a journal an interrupted run left with the first task's cell: that cell is taken from it, the
+    other measured; the record has its provenance, says what it continued from, and the README block
+    renders from it."""
+    from hydra import compose, initialize_config_dir
+
+    overrides = [f"results_dir={tmp_path}", "trials=1", "batch=1", "lengths_cap=1024", "tasks=[niah_single,vt]",
+                 "top_p=0.9", "~modes.fixed", "~modes.topp", "~modes.compact_rerank", "modes.dense.models=[tiny]"]
+    with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base=None):
+        cfg = compose("ruler_grid", overrides=overrides)
+    journal = rg.open_journal(cfg, str(tmp_path), "grid", rg.calibrated_top_p(cfg)[0])
+    kept = {"model": "tiny", "mode": "dense", "task": "niah_single", "length": 1024, "trial": 0, "tokens": 1000,
+            "answers": ["123"], "generated": "from the earlier run", "exact": False, "recall": 0.0}
+    journal.add(("tiny", "dense", "sparse=off", "niah_single", 1024),
+                {"cell": _cell("tiny", "dense", "niah_single", 1024, 0, trials=1), "records": [kept]})
+    cmd = [sys.executable, os.path.join(ROOT, "experiments", "ruler_grid.py"), *overrides,
+           f"hydra.run.dir={tmp_path / 'run'}"]
     proc = subprocess.run(cmd, cwd=ROOT, env=sandbox_env(tmp_path), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resuming grid: 1 cell(s)" in proc.stdout
     with open(tmp_path / "ruler" / "grid.json") as fh:
         rec = json.load(fh)
     # Only the commit may be flagged: a checkout with uncommitted changes records "+dirty".
     assert [p for p in rt.record_problems(rec) if "commit" not in p] == []
-    (cell,) = rec["cells"]
-    assert (cell["model"], cell["mode"], cell["task"], cell["length"], cell["trials"]) == ("tiny", "dense", "niah_single", 1024, 1)
-    (trial,) = rec["records"]
+    assert [(c["task"], c["length"], c["trials"]) for c in rec["cells"]] == [("niah_single", 1024, 1), ("vt", 1024, 1)]
+    old, trial = rec["records"]
+    assert old == kept  # not measured again
+    cell = rec["cells"][1]
     assert cell["hits"] == int(trial["exact"]) and trial["answers"] and isinstance(trial["generated"], str)
     assert cell["kv_bytes_per_token"] > 0
+    assert rec["journal"]["resumed_cells"] == 1 and sum(rec["journal"]["cell_commits"].values()) == 2
+    assert not (tmp_path / "ruler" / "grid.partial.jsonl").exists()
+    assert "1 cell(s) from the earlier run" in (tmp_path / "ruler" / "grid.md").read_text()
     block = rt.ruler_block(str(tmp_path))
-    assert "| niah_single |" in block and "tiny dense (1K)" in block
+    assert "| niah_single |" in block and "| vt |" in block and "tiny dense (1K)" in block
 
 
 def test_the_retrained_model_ships_small_and_loads_checked():
