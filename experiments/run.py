@@ -156,6 +156,7 @@ def _haystack(name: str):
 
 def run_needle(cfg, model, tok, desc):
     from gemini_jax.eval import needle, write_needle
+    from gemini_jax.eval.journal import CellJournal
     from gemini_jax.eval.needle import NeedlePrompts
 
     ex = cfg.experiment
@@ -163,9 +164,17 @@ def run_needle(cfg, model, tok, desc):
     eng = gj.Engine(model, _engine_for(cfg, max(lengths) + 16, model))
     draw = Draw(str(ex.split), int(cfg.seed))
     chat = tok if hasattr(tok, "apply_chat_template") else None  # a chat model: plain-English prompts
+    out_dir = os.path.join(results_root(cfg), "needle")
+    # Each finished (length, depth) cell is kept beside the record: a rerun of the same job continues.
+    settings = {k: v for k, v in OmegaConf.to_container(ex, resolve=True).items() if k != "resume"}
+    journal = CellJournal(os.path.join(out_dir, f"{ex.out_name}.partial.jsonl"),
+                          {"experiment": settings, "engine": OmegaConf.to_container(cfg.engine, resolve=True),
+                           "model": desc, "seed": int(cfg.seed)}, resume=bool(ex.get("resume", True)))
+    if journal.resumed:
+        print(f"resuming {ex.out_name}: {journal.resumed} cell(s) measured by an earlier run ({journal.path})")
     res = needle(eng, lengths, [float(d) for d in ex.depths], trials=int(ex.trials), batch=int(ex.batch),
                  prompts=NeedlePrompts(distractors=int(ex.distractors), tokenizer=chat),
-                 haystack=_haystack(ex.haystack), draw=draw)
+                 haystack=_haystack(ex.haystack), draw=draw, journal=journal)
     e = eng.config
     label = (f"{desc}; cache {e.cache.kind} bs={e.cache.block_size}"
              + (f" {e.cache.dtype}" if e.cache.dtype else "") + "; "
@@ -174,12 +183,15 @@ def run_needle(cfg, model, tok, desc):
                 + (", compact positions" if e.sparse.positions == "compact" else "")
                 + (f", scored at distance {e.sparse.score_distance}" if e.sparse.score_distance else "")
                 + (f", rerank {e.sparse.rerank}" if e.sparse.rerank else "") if e.sparse.enabled else "dense"))
-    out_dir = os.path.join(results_root(cfg), "needle")
     meta = provenance(command=job_command(), config=OmegaConf.to_container(ex, resolve=True), split=draw.split,
                       seeds=[draw.seed])
+    if journal.resumed:
+        label += f"; {journal.resumed} cell(s) from an interrupted run, commits {sorted(journal.commits())}"
     paths = write_needle(res, out_dir, ex.out_name, f"{label}; {draw.split} trials",
                          {"study": "needle", "name": ex.out_name, **meta, "haystack": str(ex.haystack),
-                          "engine": OmegaConf.to_container(cfg.engine), "model": desc})
+                          "engine": OmegaConf.to_container(cfg.engine), "model": desc,
+                          "journal": {"resumed_cells": journal.resumed, "cell_commits": journal.commits()}})
+    journal.close()
     print(f"model: {desc}")
     for L, accs, r in zip(res.lengths, res.accuracy, res.by_length()):
         print(f"{L:>8}  " + "  ".join(f"{a:.2f}" for a in accs)

@@ -46,6 +46,35 @@ def test_oracle_scores_100_and_random_scores_near_0(tmp_path):
     assert all((tmp_path / f"oracle.{e}").exists() for e in ("json", "md", "png"))
 
 
+class CountingOracle(OracleEngine):
+    def __init__(self):
+        self.prompts = 0
+
+    def generate(self, prompts, params):
+        self.prompts += len(prompts)
+        return super().generate(prompts, params)
+
+
+def test_an_interrupted_needle_grid_continues_from_its_journal(tmp_path):
+    """Cells a journal holds are not measured again; the result equals one uninterrupted run."""
+    from gemini_jax.eval.journal import CellJournal
+
+    lengths, depths, draw = [300, 600], [0.2, 0.8], Draw("test", 41)
+    whole = needle(OracleEngine(), lengths, depths, trials=3, draw=draw)
+    path = str(tmp_path / "n.partial.jsonl")
+    first = CountingOracle()
+    needle(first, lengths, depths, trials=3, draw=draw, journal=CellJournal(path, {"seed": 41}))
+    assert first.prompts == 12
+    with open(path) as fh:  # the run stopped after its first two cells (header + 2 lines kept)
+        kept = fh.read().split("\n")[:3]
+    with open(path, "w") as fh:
+        fh.write("\n".join(kept) + "\n")
+    again = CountingOracle()
+    res = needle(again, lengths, depths, trials=3, draw=draw, journal=CellJournal(path, {"seed": 41}))
+    assert again.prompts == 6, "draw seed 41: the two kept cells were measured again"
+    assert res.records == whole.records and res.accuracy == whole.accuracy
+
+
 def test_exact_match_only():
     assert is_correct("12345.", "12345")
     assert is_correct("12345", "12345")

@@ -103,13 +103,17 @@ def answer(engine, examples, tokenizer=None) -> list[str]:
 
 
 def needle(engine, lengths, depths, *, trials: int = 5, haystack: np.ndarray | None = None,
-           draw: Draw = Draw(), batch: int = 1, prompts: NeedlePrompts = NeedlePrompts()) -> NeedleResult:
+           draw: Draw = Draw(), batch: int = 1, prompts: NeedlePrompts = NeedlePrompts(),
+           journal=None) -> NeedleResult:
     """Accuracy per (length, depth) cell over `trials` needles each.
 
     haystack: uint8 text (default: the held-out standard-library sources). Trial t of cell (i, j)
     is drawn from `draw.rng(i, j, t)` (`gemini_jax.eval.trials`: dev or test split), so a cell's
     prompts are the same for every engine. Records come cell by cell (length-major), trials in
     order: record k is trial k % trials of cell k // trials (`gemini_jax.eval.reproduce`).
+
+    journal: a `gemini_jax.eval.journal.CellJournal`; each finished cell is kept in it, and a cell
+    it already holds (an interrupted run of the same grid) is taken from it, not measured again.
     """
     haystack = heldout_text() if haystack is None else tasks.check_haystack(haystack)
     acc = np.zeros((len(lengths), len(depths)))
@@ -118,17 +122,24 @@ def needle(engine, lengths, depths, *, trials: int = 5, haystack: np.ndarray | N
     # A progress bar on a terminal; none in logs and tests (tqdm: disable=None).
     bar = tqdm(total=len(cells) * trials, desc="needle", disable=None, unit="trial")
     for i, j in cells:
-        examples = [trial_example(haystack, lengths, depths, (i, j, t), draw, prompts) for t in range(trials)]
-        hits = 0
-        for b in range(0, trials, batch):
-            group = examples[b:b + batch]
-            for e, text in zip(group, answer(engine, group, prompts.tokenizer)):
-                ok = (chat_answer_correct(text, e.answer) if prompts.tokenizer is not None
-                      else is_correct(text, e.answer))
-                hits += ok
-                records.append({"length": int(lengths[i]), "depth": float(depths[j]), "key": e.answer,
-                                "generated": text, "ok": bool(ok)})
-            bar.update(len(group))
-        acc[i, j] = hits / trials
+        key = (int(lengths[i]), float(depths[j]))
+        done = None if journal is None else journal.get(key)
+        if done is not None:
+            rows = done["records"]
+            bar.update(trials)
+        else:
+            examples = [trial_example(haystack, lengths, depths, (i, j, t), draw, prompts) for t in range(trials)]
+            rows = []
+            for b in range(0, trials, batch):
+                group = examples[b:b + batch]
+                for e, text in zip(group, answer(engine, group, prompts.tokenizer)):
+                    ok = (chat_answer_correct(text, e.answer) if prompts.tokenizer is not None
+                          else is_correct(text, e.answer))
+                    rows.append({"length": key[0], "depth": key[1], "key": e.answer, "generated": text, "ok": bool(ok)})
+                bar.update(len(group))
+            if journal is not None:
+                journal.add(key, {"records": rows})
+        records += rows
+        acc[i, j] = sum(r["ok"] for r in rows) / trials
     bar.close()
     return NeedleResult([int(x) for x in lengths], [float(d) for d in depths], acc.tolist(), trials, records)
