@@ -104,7 +104,7 @@ def answer(engine, examples, tokenizer=None) -> list[str]:
 
 def needle(engine, lengths, depths, *, trials: int = 5, haystack: np.ndarray | None = None,
            draw: Draw = Draw(), batch: int = 1, prompts: NeedlePrompts = NeedlePrompts(),
-           journal=None) -> NeedleResult:
+           journal=None) -> NeedleResult:  # noqa: PLR0913  (keyword-only knobs of one grid)
     """Accuracy per (length, depth) cell over `trials` needles each.
 
     haystack: uint8 text (default: the held-out standard-library sources). Trial t of cell (i, j)
