@@ -102,9 +102,9 @@ def answer(engine, examples, tokenizer=None) -> list[str]:
     return [ByteTokenizer().decode([t for t in gen if t < 256]) for gen in out.tokens]
 
 
-def needle(engine, lengths, depths, *, trials: int = 5, haystack: np.ndarray | None = None,
+def needle(engine, lengths, depths, *, trials: int = 5, haystack: np.ndarray | None = None,  # noqa: PLR0913
            draw: Draw = Draw(), batch: int = 1, prompts: NeedlePrompts = NeedlePrompts(),
-           journal=None) -> NeedleResult:  # noqa: PLR0913  (keyword-only knobs of one grid)
+           journal=None) -> NeedleResult:
     """Accuracy per (length, depth) cell over `trials` needles each.
 
     haystack: uint8 text (default: the held-out standard-library sources). Trial t of cell (i, j)
