@@ -110,7 +110,9 @@ SUBSETS: dict[str, list[Job]] = {
                          ("fp8", ("engine.cache.dtype=float8_e4m3fn",)))]
     # The RULER-style tasks asked through its chat template, dense and sparse fixed at 1K and 2K tokens
     # (conf/ruler_grid_smollm2.yaml).
-    + [Job("ruler/smollm2_grid", ("--config-name", "ruler_grid_smollm2"), 40, script="ruler_grid.py")],
+    + [Job("ruler/smollm2_grid", ("--config-name", "ruler_grid_smollm2"), 40, script="ruler_grid.py"),
+       # The same at 4K and 8,000 tokens: hours, resumable (its journal keeps each finished cell).
+       Job("ruler/smollm2_grid_long", ("--config-name", "ruler_grid_smollm2_long"), 240, script="ruler_grid.py")],
     "exactness": [Job("exactness/exactness", ("experiment=exactness",), 4)],
     # Decode over tiers: emulated links (share x depth x link) and the earlier tiers row (bench rows).
     "tiers": [Job("bench_tiers/bench", ("--rows", "tiers_link,tiers", "--out", "experiments/results/bench_tiers"), 30,

@@ -84,6 +84,11 @@ def _missing(subset: str) -> str:
     return f"not run yet (`make results SUBSET={subset}`)"
 
 
+def _length_label(L: int) -> str:
+    """1024 -> '1K'; a length that is no multiple of 1024 in tokens (8000 -> '8,000')."""
+    return f"{L // 1024}K" if L % 1024 == 0 else f"{L:,}"
+
+
 def _commits(recs) -> str:
     seen = sorted({r["commit"][:7] for r in recs if r is not None})
     return ", ".join(f"`{c}`" for c in seen) if seen else "—"
@@ -149,7 +154,7 @@ def smollm2_needle_block(results_dir: str) -> str:
         if dense and int8 and any(b["length"] == length for b in int8["by_length"]):
             p = paired_needle(int8, dense, length)
             pair = f"{p['diff']:+.1f} [{p['lo']:+.1f}, {p['hi']:+.1f}] points ({p['fixed']} fixed, {p['lost']} lost)"
-        label = f"{length // 1024}K" if length % 1024 == 0 else f"{length:,} tokens"
+        label = _length_label(length) + ("" if length % 1024 == 0 else " tokens")
         rows.append(f"| {label} | {' | '.join(cells)} | {pair} |")
     files = " / ".join(_link(f"needle/smollm2_{name}_test") for name, r in recs.items() if r)
     tail = [f"Test trials, 5 depths x 2 trials per context, the same prompts in every column (8000 tokens: the "
@@ -612,7 +617,7 @@ def ruler_block(results_dir: str, record: str = "ruler/grid", subset: str = "rul
     cols = list(dict.fromkeys((c["model"], c["mode"]) for c in cells))
     lengths = {col: sorted({c["length"] for c in cells if (c["model"], c["mode"]) == col}) for col in cols}
     by = {(c["model"], c["mode"], c["task"], c["length"]): c for c in cells}
-    head = [f"{m} {RULER_MODES.get(mode, mode)} ({', '.join(f'{L // 1024}K' for L in lengths[(m, mode)])})"
+    head = [f"{m} {RULER_MODES.get(mode, mode)} ({', '.join(_length_label(L) for L in lengths[(m, mode)])})"
             for m, mode in cols]
     rows = ["| task | " + " | ".join(head) + " |", "|---|" + "---|" * len(cols)]
     for task in dict.fromkeys(c["task"] for c in cells):
@@ -648,7 +653,7 @@ def ruler_block(results_dir: str, record: str = "ruler/grid", subset: str = "rul
     works = s.get("where_dense_works")
     if works is not None and any(w["modes"] for w in works):
         notes.append("- Where dense reaches 50% (the only cells that compare methods): "
-                     + "; ".join(f"{w['task']} {w['length'] // 1024}K dense {w['dense'][0]}/{w['dense'][1]}, "
+                     + "; ".join(f"{w['task']} {_length_label(w['length'])} dense {w['dense'][0]}/{w['dense'][1]}, "
                                  + ", ".join(f"{RULER_MODES.get(m, m)} {v[0]}/{v[1]}" for m, v in w["modes"].items())
                                  for w in works if w["modes"])
                      + (f". Dense stays under 50% on {sum(1 for c in cells if c['mode'] == 'dense') - len(works)} of "
@@ -664,8 +669,12 @@ def ruler_block(results_dir: str, record: str = "ruler/grid", subset: str = "rul
 
 
 def smollm2_ruler_block(results_dir: str) -> str:
-    """The grid on SmolLM2-135M-Instruct (conf/ruler_grid_smollm2.yaml): tasks through its chat template."""
-    return ruler_block(results_dir, "ruler/smollm2_grid", "smollm2")
+    """The grid on SmolLM2-135M-Instruct (conf/ruler_grid_smollm2.yaml): tasks through its chat template;
+    below it the 4K / 8,000-token grid (conf/ruler_grid_smollm2_long.yaml) once its record is written."""
+    out = ruler_block(results_dir, "ruler/smollm2_grid", "smollm2")
+    if _load(results_dir, "ruler/smollm2_grid_long") is not None:
+        out += "\n\n" + ruler_block(results_dir, "ruler/smollm2_grid_long", "smollm2")
+    return out
 
 
 BLOCKS = {"needle": needle_block, "smollm2_needle": smollm2_needle_block, "smollm2_ruler": smollm2_ruler_block, "smollm2_bpb": smollm2_bpb_block, "bpb": bpb_block, "make_run": make_run_block, "exactness": exactness_block,
