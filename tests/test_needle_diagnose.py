@@ -58,3 +58,35 @@ def test_oracle_run_selects_the_needle_everywhere(tmp_path):
     assert r["command"].startswith("python experiments/run.py experiment=needle_diagnose")
     assert r["config"]["oracle"] == "all" and r["split"] == "dev" and r["seeds"] == [0]
     assert r["commit"] is None or len(r["commit"].split("+")[0]) == 40
+
+
+def test_chat_needle_pages_cover_the_needle_line_of_a_chat_prompt():
+    """For a pretrained chat model the diagnosed pages are those holding the needle's line: every
+    token of the line decodes inside them, and the pages before and after hold none of the key."""
+    import gemini_jax as gj
+    from gemini_jax.data import chat
+    from gemini_jax.eval.heldout import heldout_text
+
+    tok = gj.GGUFTokenizer(gj.pretrained_path("smollm2-135m-instruct"))  # the tokenizer only
+    for seed in (3, 11):
+        rng = np.random.default_rng(seed)
+        depth, bs = float(rng.uniform(0.1, 0.9)), int(rng.choice([8, 16]))
+        ex = chat.chat_needle_example(heldout_text(), tok, 600, depth, rng)
+        pages = needle_diagnose.chat_needle_pages(ex, tok, bs)
+        lo, hi = min(pages) * bs, (max(pages) + 1) * bs
+        assert sorted(pages) == list(range(min(pages), max(pages) + 1)), f"seed={seed}: not one run of pages"
+        inside = tok.decode([int(x) for x in ex.prompt[lo:hi]])
+        assert inside.count(ex.answer) == 2, f"seed={seed}: {inside!r} should hold the key twice"
+        outside = tok.decode([int(x) for x in ex.prompt[:lo]]) + tok.decode([int(x) for x in ex.prompt[hi:]])
+        assert ex.answer not in outside, f"seed={seed}: the key outside the needle pages"
+
+
+def test_config_refuses_an_unknown_model_and_split_by_name():
+    import pytest
+
+    from gemini_jax.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="model"):
+        needle_diagnose.Config(model="gpt-17")
+    with pytest.raises(ConfigError, match="split"):
+        needle_diagnose.Config(split="train")

@@ -3,22 +3,27 @@ layer, at each answer step?
 
 Each trial decodes the 5-digit key greedily through the engine over tiers with every page on device
 (exact: the all-resident numbers), with the tiers' selection log on. For each answer step, each
-layer and each kv head it records whether the selection held a page of the needle's key (the marker
-byte and the digits). The markdown gives accuracy, the needle-page recall per layer (first answer
-step and all steps), recall in right vs wrong trials, and each wrong answer against its key.
+layer and each kv head it records whether the selection held a page of the needle: for the shipped
+byte model the pages of its key (the marker byte and the digits); for a pretrained chat model
+(`model=<name>`, `gj.list_pretrained()`) the pages of the needle's line in its chat prompt
+(`gemini_jax.data.chat.chat_needle_example`), its answer read as the needle study reads it. The
+markdown gives accuracy, the needle-page recall per layer (first answer step and all steps), recall
+in right vs wrong trials, and each wrong answer against its key.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import re
+
 import numpy as np
 from tqdm import tqdm
 
 import gemini_jax as gj
 from gemini_jax.config import CacheConfig, EngineConfig, SamplingParams, SparseConfig, TierConfig
-from gemini_jax.data import tasks
-from gemini_jax.eval.needle import is_correct
+from gemini_jax.data import chat, tasks
+from gemini_jax.eval.needle import CHAT_ANSWER_TOKENS, is_correct
 from gemini_jax.eval.heldout import heldout_text
 from gemini_jax.eval.record import StudyResult
 from gemini_jax.eval.studies import as_tuple, choice
@@ -39,6 +44,9 @@ class Config:
     oracle: str = "off"
     oracle_layers: tuple[int, ...] | None = None
     out_name: str | None = None
+    model: str = "tiny"           # tiny (the shipped byte model) | a pretrained chat model's name
+    sparse_prefill: bool = True   # False: the prompt attends densely, only decode steps select pages
+    split: str = "dev"
 
     def __post_init__(self):
         as_tuple(self, "lengths", int)
@@ -47,10 +55,13 @@ class Config:
         choice(self, "digest", ("minmax", "mean"))
         choice(self, "positions", ("true", "compact"))
         choice(self, "oracle", ("off", "prompt", "decode", "all"))
+        choice(self, "split", ("dev", "test"))
+        choice(self, "model", ("tiny", *gj.list_pretrained()))
 
     @property
     def stem(self) -> str:
-        return self.out_name or f"needle_diagnosis_{self.positions}_{self.digest}_{self.budget}"
+        model = "" if self.model == "tiny" else f"{self.model}_"
+        return self.out_name or f"needle_diagnosis_{model}{self.positions}_{self.digest}_{self.budget}"
 
 
 def needle_pages(ex, block_size: int) -> set[int]:
@@ -58,6 +69,13 @@ def needle_pages(ex, block_size: int) -> set[int]:
     mark = ex.needle_at + len(tasks.NEEDLE.split(tasks.MARK)[0].format(of=""))  # needle text starts at needle_at
     assert ex.prompt[mark] == ord(tasks.MARK), "needle layout changed"
     return {p // block_size for p in range(mark, mark + 1 + tasks.KEY_DIGITS)}
+
+
+def chat_needle_pages(ex, tok, block_size: int) -> set[int]:
+    """Logical pages holding the needle's line of a chat prompt (its tokens from `needle_at`: the key
+    sits twice in the line, and a BPE splits digits over several tokens)."""
+    n = len(tok.encode(chat.NEEDLE.format(key=ex.answer)))
+    return {p // block_size for p in range(ex.needle_at, min(ex.needle_at + n, len(ex.prompt)))}
 
 
 @dataclass(frozen=True)
@@ -106,16 +124,19 @@ def _force_row(row, want, pages, sink_pages) -> None:
 
 
 def run(cfg: Config) -> StudyResult:
-    """Trial t at (length i, depth j) draws its haystack window and key from seed [seed, i, j, t]."""
-    model = gj.load_tiny()
+    """Trial t at (length i, depth j) draws its haystack window and key from seed [seed, i, j, t]
+    of the config's split."""
+    model, tok = (gj.load_tiny(), None) if cfg.model == "tiny" else gj.load_pretrained(cfg.model)
     mcfg = model.cfg
     held = heldout_text()
     sp = SparseConfig(enabled=True, budget=cfg.budget, digest=cfg.digest, sink_pages=1, local_pages=2,
-                      sparse_prefill=True, score_queries=64, positions=cfg.positions)
+                      sparse_prefill=cfg.sparse_prefill, score_queries=64, positions=cfg.positions)
     tier = TierConfig(enabled=True, device_fraction=1.0, prefetch_depth=0)
-    ecfg = EngineConfig(max_seq_len=max(cfg.lengths) + 16, max_batch=1, prefill_chunk=cfg.chunk,
+    answer_len = tasks.KEY_DIGITS + 1 if tok is None else CHAT_ANSWER_TOKENS
+    ecfg = EngineConfig(max_seq_len=max(cfg.lengths) + answer_len + 16, max_batch=1, prefill_chunk=cfg.chunk,
                         cache=CacheConfig(block_size=cfg.block_size, prefix_caching=False), sparse=sp, tier=tier)
-    params = SamplingParams(max_new_tokens=tasks.KEY_DIGITS + 1, temperature=0.0, stop_at_eos=False)
+    params = (SamplingParams(max_new_tokens=answer_len, temperature=0.0, stop_at_eos=False) if tok is None else
+              SamplingParams(max_new_tokens=answer_len, temperature=0.0))
     layers = list(cfg.oracle_layers) if cfg.oracle_layers else None
     trials = []
     log: list = []
@@ -126,13 +147,23 @@ def run(cfg: Config) -> StudyResult:
         cells = [(i, L, j, d, t) for i, L in enumerate(cfg.lengths) for j, d in enumerate(cfg.depths)
                  for t in range(cfg.trials)]
         for i, L, j, d, t in tqdm(cells, desc="needle diagnosis", unit="trial"):
-            ex = tasks.needle_example(held, L, d, Draw("dev", cfg.seed).rng(i, j, t))
-            pages = needle_pages(ex, cfg.block_size)
+            rng = Draw(cfg.split, cfg.seed).rng(i, j, t)
+            if tok is None:
+                ex = tasks.needle_example(held, L, d, rng)
+                pages = needle_pages(ex, cfg.block_size)
+            else:
+                ex = chat.chat_needle_example(held, tok, L, d, rng)
+                pages = chat_needle_pages(ex, tok, cfg.block_size)
             forced.clear()
             forced.update(pages)
             log.clear()
             out = eng.generate(list(map(int, ex.prompt)), params)
-            text = bytes(x for x in out.tokens if x < 256).decode("utf-8", "replace")
+            if tok is None:
+                text = bytes(x for x in out.tokens if x < 256).decode("utf-8", "replace")
+                correct = is_correct(text, ex.answer)
+            else:
+                text = tok.decode(out.tokens)
+                correct = chat.chat_answer_correct(text, ex.answer)
             # Answer steps: the prompt's last call (its last query gives the first answer digit), then decode.
             steps = [r for r in log if not r["decode"]][-mcfg.num_layers:] + [r for r in log if r["decode"]]
             # hit[s, layer, head]: the selection of answer step s held a needle page
@@ -142,10 +173,11 @@ def run(cfg: Config) -> StudyResult:
                 for h in range(sel.shape[0]):
                     hit[n // mcfg.num_layers, r["layer"], h] = bool(pages & set(sel[h].tolist()))
             trials.append({"length": L, "depth": d, "trial": t, "key": ex.answer, "answer": text,
-                           "correct": is_correct(text, ex.answer), "needle_pages": sorted(pages),
+                           "correct": correct, "needle_pages": sorted(pages),
                            "hit": hit.tolist()})
-    return StudyResult(name=cfg.stem, records=trials, split="dev", seeds=[cfg.seed],
-                       extra={"num_layers": mcfg.num_layers, "num_kv_heads": mcfg.num_kv_heads})
+    return StudyResult(name=cfg.stem, records=trials, split=cfg.split, seeds=[cfg.seed],
+                       extra={"num_layers": mcfg.num_layers, "num_kv_heads": mcfg.num_kv_heads,
+                              "model": "The shipped tiny model" if tok is None else cfg.model})
 
 
 def _recall(trials, first_only: bool):
@@ -161,11 +193,14 @@ def _recall(trials, first_only: bool):
 def markdown(r: dict) -> str:
     a = r["config"]
     lines = [f"# Needle-page selection, {a['positions']} positions, {a['digest']} digests, budget {a['budget']}", "",
-             f"Run {r['date']}: `{r['command']}`. The shipped tiny model; {a['trials']} trial(s) per (length, "
-             f"depth), depths {a['depths']}; sparse prefill (last 64 queries of each {a['chunk']}-token chunk score "
-             f"pages) and sparse decode; block {a['block_size']}. *Recall* = share of (answer step, kv head) "
-             f"selections that held a page of the needle's key, per layer; the answer steps are the prompt's "
-             f"last call (its last query gives the first digit) and the decode steps.", ""]
+             f"Run {r['date']}: `{r['command']}`, commit `{r['commit']}`. {r.get('model', 'The shipped tiny model')}; "
+             f"{r['split']} trials, {a['trials']} per (length, depth), depths {a['depths']}; "
+             + (f"sparse prefill (last 64 queries of each {a['chunk']}-token chunk score pages) and sparse decode"
+                if a.get("sparse_prefill", True) else f"dense prefill ({a['chunk']}-token chunks), sparse decode")
+             + f"; block {a['block_size']}. *Recall* = share of (answer step, kv head) "
+             f"selections that held a page of the needle ({'its key' if a.get('model', 'tiny') == 'tiny' else 'its line'}), "
+             f"per layer; the answer steps are the prompt's last call (its last query gives the first answer token) "
+             f"and the decode steps.", ""]
     if a.get("oracle", "off") != "off":
         lines += [f"**Oracle**: the needle's pages forced into the selections of {a['oracle']} calls, layers "
                   f"{a.get('oracle_layers') or 'all'} (each in place of the earliest retrieved page).", ""]
@@ -186,7 +221,10 @@ def markdown(r: dict) -> str:
         lines += ["", "Wrong answers (digits that match the key in place):", "",
                   "| length | depth | key | answer | digits right |", "|---|---|---|---|---|"]
         for t in wrong:
-            same = sum(x == y for x, y in zip(t["answer"][:tasks.KEY_DIGITS], t["key"]))
+            # The byte model answers the digits first; a chat model's first 5-digit number is its answer.
+            said = (t["answer"][:tasks.KEY_DIGITS] if a.get("model", "tiny") == "tiny"
+                    else (re.findall(r"\d{5}", t["answer"]) or [""])[0])
+            same = sum(x == y for x, y in zip(said, t["key"]))
             lines.append(f"| {t['length']} | {t['depth']} | {t['key']} | `{t['answer']!r}` | {same} / "
                          f"{tasks.KEY_DIGITS} |")
     return "\n".join(lines) + "\n"
