@@ -90,3 +90,5 @@ def test_config_refuses_an_unknown_model_and_split_by_name():
         needle_diagnose.Config(model="gpt-17")
     with pytest.raises(ConfigError, match="split"):
         needle_diagnose.Config(split="train")
+    with pytest.raises(ConfigError, match="chat model"):
+        needle_diagnose.Config(resume_instruction="Say it again.")

@@ -24,6 +24,7 @@ import gemini_jax as gj
 from gemini_jax.config import CacheConfig, EngineConfig, SamplingParams, SparseConfig, TierConfig
 from gemini_jax.data import chat, tasks
 from gemini_jax.eval.needle import CHAT_ANSWER_TOKENS, is_correct
+from gemini_jax.errors import ConfigError
 from gemini_jax.eval.heldout import heldout_text
 from gemini_jax.eval.record import StudyResult
 from gemini_jax.eval.studies import as_tuple, choice
@@ -47,6 +48,9 @@ class Config:
     model: str = "tiny"           # tiny (the shipped byte model) | a pretrained chat model's name
     sparse_prefill: bool = True   # False: the prompt attends densely, only decode steps select pages
     split: str = "dev"
+    # Chat models: the main job's resumed conversation. The prompt goes on with an interrupted answer
+    # ("The pass key", closed by the template) and a new user turn saying this; None: the question alone.
+    resume_instruction: str | None = None
 
     def __post_init__(self):
         as_tuple(self, "lengths", int)
@@ -57,6 +61,9 @@ class Config:
         choice(self, "oracle", ("off", "prompt", "decode", "all"))
         choice(self, "split", ("dev", "test"))
         choice(self, "model", ("tiny", *gj.list_pretrained()))
+        if self.resume_instruction is not None and self.model == "tiny":
+            raise ConfigError("resume_instruction needs a chat model (experiment.model=<name>), "
+                              "not the byte model: it is a new turn through the chat template")
 
     @property
     def stem(self) -> str:
@@ -76,6 +83,9 @@ def chat_needle_pages(ex, tok, block_size: int) -> set[int]:
     sits twice in the line, and a BPE splits digits over several tokens)."""
     n = len(tok.encode(chat.NEEDLE.format(key=ex.answer)))
     return {p // block_size for p in range(ex.needle_at, min(ex.needle_at + n, len(ex.prompt)))}
+
+
+INTERRUPTED = "The pass key"  # the main job's answer when it is interrupted (3 tokens, seed 0)
 
 
 @dataclass(frozen=True)
@@ -133,7 +143,9 @@ def run(cfg: Config) -> StudyResult:
                       sparse_prefill=cfg.sparse_prefill, score_queries=64, positions=cfg.positions)
     tier = TierConfig(enabled=True, device_fraction=1.0, prefetch_depth=0)
     answer_len = tasks.KEY_DIGITS + 1 if tok is None else CHAT_ANSWER_TOKENS
-    ecfg = EngineConfig(max_seq_len=max(cfg.lengths) + answer_len + 16, max_batch=1, prefill_chunk=cfg.chunk,
+    turn = [] if cfg.resume_instruction is None else \
+        tok.encode(INTERRUPTED) + chat.chat_continuation(tok, cfg.resume_instruction)
+    ecfg = EngineConfig(max_seq_len=max(cfg.lengths) + len(turn) + answer_len + 16, max_batch=1, prefill_chunk=cfg.chunk,
                         cache=CacheConfig(block_size=cfg.block_size, prefix_caching=False), sparse=sp, tier=tier)
     params = (SamplingParams(max_new_tokens=answer_len, temperature=0.0, stop_at_eos=False) if tok is None else
               SamplingParams(max_new_tokens=answer_len, temperature=0.0))
@@ -157,7 +169,7 @@ def run(cfg: Config) -> StudyResult:
             forced.clear()
             forced.update(pages)
             log.clear()
-            out = eng.generate(list(map(int, ex.prompt)), params)
+            out = eng.generate(list(map(int, ex.prompt)) + turn, params)
             if tok is None:
                 text = bytes(x for x in out.tokens if x < 256).decode("utf-8", "replace")
                 correct = is_correct(text, ex.answer)
@@ -199,8 +211,12 @@ def markdown(r: dict) -> str:
                 if a.get("sparse_prefill", True) else f"dense prefill ({a['chunk']}-token chunks), sparse decode")
              + f"; block {a['block_size']}. *Recall* = share of (answer step, kv head) "
              f"selections that held a page of the needle ({'its key' if a.get('model', 'tiny') == 'tiny' else 'its line'}), "
-             f"per layer; the answer steps are the prompt's last call (its last query gives the first answer token) "
-             f"and the decode steps.", ""]
+             + ("per layer; the answer steps are the prompt's last call (its last query gives the first answer "
+                "token) and the decode steps." if a.get("sparse_prefill", True) else
+                "per layer; the answer steps are the decode steps (the dense prefill gives the first answer token).")
+             + ("" if not a.get("resume_instruction") else
+                f" Each prompt goes on as the main job's resumed conversation: the answer interrupted at "
+                f"{INTERRUPTED!r}, then a new user turn {a['resume_instruction']!r}."), ""]
     if a.get("oracle", "off") != "off":
         lines += [f"**Oracle**: the needle's pages forced into the selections of {a['oracle']} calls, layers "
                   f"{a.get('oracle_layers') or 'all'} (each in place of the earliest retrieved page).", ""]
