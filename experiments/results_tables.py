@@ -135,19 +135,21 @@ def _quant_needle_ok(p: dict) -> bool:
 
 
 def smollm2_needle_block(results_dir: str) -> str:
-    """SmolLM2-135M-Instruct: dense vs sparse at one budget and int8 KV vs float32, on the same test
-    trials (chat prompts)."""
-    names = ("dense", "quest1024", "int8_dense")
-    recs = {name: _load(results_dir, f"needle/smollm2_{name}_test") for name in names}
+    """SmolLM2-135M-Instruct: dense vs sparse at budgets 512 / 1024 / 2048 tokens and int8 KV vs
+    float32, on the same test trials (chat prompts); below, the quantized-KV decisions on 300 pairs."""
+    columns = {"dense": "dense", "quest512": "sparse, budget 512", "quest1024": "sparse, budget 1024",
+               "quest2048": "sparse, budget 2048", "int8_dense": "int8 KV, dense"}
+    recs = {name: _load(results_dir, f"needle/smollm2_{name}_test") for name in columns}
     if not any(recs.values()):
         return _missing("smollm2")
+    shown = {name: r for name, r in recs.items() if r or name in ("dense", "quest1024", "int8_dense")}
     lengths = sorted({bl["length"] for r in recs.values() if r for bl in r["by_length"]})
-    rows = ["| context | dense | sparse, budget 1024 tokens (`sparse=quest`, dense prefill) | int8 KV, dense | "
-            "int8 − float32 [paired 95%] |", "|---|---|---|---|---|"]
+    rows = ["| context | " + " | ".join(columns[n] for n in shown) + " | int8 − float32 [paired 95%] |",
+            "|---|" + "---|" * (len(shown) + 1)]
     dense, int8 = recs["dense"], recs["int8_dense"]
     for length in lengths:
         cells = []
-        for rec in recs.values():
+        for rec in shown.values():
             bl = next((b for b in rec["by_length"] if b["length"] == length), None) if rec else None
             cells.append(_pct(bl["hits"], bl["trials"]) if bl else "—")
         pair = "—"
@@ -158,7 +160,9 @@ def smollm2_needle_block(results_dir: str) -> str:
         rows.append(f"| {label} | {' | '.join(cells)} | {pair} |")
     files = " / ".join(_link(f"needle/smollm2_{name}_test") for name, r in recs.items() if r)
     tail = [f"Test trials, 5 depths x 2 trials per context, the same prompts in every column (8000 tokens: the "
-            f"prompt and its answer inside the model's 8K window); files {files}; commit(s) {_commits(recs.values())}."]
+            f"prompt and its answer inside the model's 8K window); sparse columns are `sparse=quest` with dense "
+            f"prefill, budget in tokens (—: not run at that context, where the budget covers most of it); files "
+            f"{files}; commit(s) {_commits(recs.values())}."]
     if dense and int8:
         p = paired_needle(int8, dense)
         ok = _quant_needle_ok(p)
@@ -167,15 +171,18 @@ def smollm2_needle_block(results_dir: str) -> str:
                     f"Goal: the interval's lower end ≥ −{SMOLLM2_QUANT_POINTS:.0f} points over ≥ {SMOLLM2_QUANT_PAIRS} "
                     f"pairs {'✓' if ok else '✗'}" + ("" if ok or p["n"] >= SMOLLM2_QUANT_PAIRS else
                                                      f" ({p['n']} pairs: too few to decide)") + ".")
-    # The decision: 30 trials per (length, depth) at 1K and 2K, float32 and int8 on the same prompts.
-    f32, q8 = (_load(results_dir, f"needle/smollm2_{t}_pairs_test") for t in ("f32", "int8"))
-    if f32 and q8:
-        p = paired_needle(q8, f32)
+    # The decisions: 30 trials per (length, depth) at 1K and 2K, float32 and each KV dtype on the same prompts.
+    f32 = _load(results_dir, "needle/smollm2_f32_pairs_test")
+    for tag in ("int8", "fp8"):
+        q = _load(results_dir, f"needle/smollm2_{tag}_pairs_test")
+        if not (f32 and q):
+            continue
+        p = paired_needle(q, f32)
         ok = _quant_needle_ok(p)
-        tail.append(f"int8 KV against float32 on {p['n']} paired test trials at 1K and 2K (5 depths x 30 trials per "
-                    f"length; float32 {p['base']}/{p['n']}, int8 {p['quant']}/{p['n']}; "
-                    f"{_link('needle/smollm2_f32_pairs_test')} / {_link('needle/smollm2_int8_pairs_test')}, commit(s) "
-                    f"{_commits([f32, q8])}): {p['diff']:+.1f} [{p['lo']:+.1f}, {p['hi']:+.1f}] points, "
+        tail.append(f"{tag} KV against float32 on {p['n']} paired test trials at 1K and 2K (5 depths x 30 trials per "
+                    f"length; float32 {p['base']}/{p['n']}, {tag} {p['quant']}/{p['n']}; "
+                    f"{_link('needle/smollm2_f32_pairs_test')} / {_link(f'needle/smollm2_{tag}_pairs_test')}, "
+                    f"commit(s) {_commits([f32, q])}): {p['diff']:+.1f} [{p['lo']:+.1f}, {p['hi']:+.1f}] points, "
                     f"{p['fixed']} fixed, {p['lost']} lost, same text {p['same_text']}/{p['n']}. Goal: lower end "
                     f"≥ −{SMOLLM2_QUANT_POINTS:.0f} points over ≥ {SMOLLM2_QUANT_PAIRS} pairs {'✓' if ok else '✗'}.")
     return "\n".join(rows + [""] + tail)
