@@ -13,9 +13,8 @@ in right vs wrong trials, and each wrong answer against its key.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import re
+from dataclasses import dataclass
 
 import numpy as np
 from tqdm import tqdm
@@ -23,9 +22,9 @@ from tqdm import tqdm
 import gemini_jax as gj
 from gemini_jax.config import CacheConfig, EngineConfig, SamplingParams, SparseConfig, TierConfig
 from gemini_jax.data import chat, tasks
-from gemini_jax.eval.needle import CHAT_ANSWER_TOKENS, is_correct
 from gemini_jax.errors import ConfigError
 from gemini_jax.eval.heldout import heldout_text
+from gemini_jax.eval.needle import CHAT_ANSWER_TOKENS, is_correct
 from gemini_jax.eval.record import StudyResult
 from gemini_jax.eval.studies import as_tuple, choice
 from gemini_jax.eval.trials import Draw
@@ -147,8 +146,8 @@ def run(cfg: Config) -> StudyResult:
         tok.encode(INTERRUPTED) + chat.chat_continuation(tok, cfg.resume_instruction)
     ecfg = EngineConfig(max_seq_len=max(cfg.lengths) + len(turn) + answer_len + 16, max_batch=1, prefill_chunk=cfg.chunk,
                         cache=CacheConfig(block_size=cfg.block_size, prefix_caching=False), sparse=sp, tier=tier)
-    params = (SamplingParams(max_new_tokens=answer_len, temperature=0.0, stop_at_eos=False) if tok is None else
-              SamplingParams(max_new_tokens=answer_len, temperature=0.0))
+    # The byte model has no EOS of its own; a chat model's answer ends at its end-of-turn token.
+    params = SamplingParams(max_new_tokens=answer_len, temperature=0.0, stop_at_eos=tok is not None)
     layers = list(cfg.oracle_layers) if cfg.oracle_layers else None
     trials = []
     log: list = []
@@ -177,6 +176,7 @@ def run(cfg: Config) -> StudyResult:
                 text = tok.decode(out.tokens)
                 correct = chat.chat_answer_correct(text, ex.answer)
             # Answer steps: the prompt's last call (its last query gives the first answer digit), then decode.
+            # Under dense prefill the prompt's calls select nothing and log nothing: decode steps only.
             steps = [r for r in log if not r["decode"]][-mcfg.num_layers:] + [r for r in log if r["decode"]]
             # hit[s, layer, head]: the selection of answer step s held a needle page
             hit = np.zeros((len(steps) // mcfg.num_layers, mcfg.num_layers, mcfg.num_kv_heads), bool)
