@@ -174,7 +174,7 @@ def test_admission_is_best_first_and_waits_for_pages():
     _exact(reqs, prompts, seed)
     assert max(len(x) for x in _live_sets(eng)) == 2, (seed, "at most two requests' pages fit")
     assert eng.sequences.usage()["sequences"] == 0 and eng.sequences.free_pages == 5
-    assert time.perf_counter() - t0 < 1.0
+    assert time.perf_counter() - t0 < 10.0, (seed, "no waits: a fake engine runs this in ~0.05 s")
 
 
 @pytest.mark.parametrize("preempt,k", [("swap", 1), ("recompute", 1), ("swap", 4)])
@@ -209,7 +209,7 @@ def test_preemption_when_allocate_slots_returns_none(preempt, k):
     assert reqs[0].preemptions == 0
     _exact(reqs, prompts, seed)
     assert eng.sequences.usage()["sequences"] == 0
-    assert time.perf_counter() - t0 < 1.0
+    assert time.perf_counter() - t0 < 10.0, (seed, "no waits: a fake engine runs this in ~0.05 s")
 
 
 @pytest.mark.parametrize("k", [1, 4])
@@ -247,7 +247,7 @@ def test_each_call_is_planned_then_run_as_planned(k):
         assert call[1] == tuple(r.seq_id for r in rows), (seed, call)
         assert plan.decode.steps == 1 or (len({r.params for r in rows}) == 1 and plan.decode.steps <= k), seed
     _exact(reqs, prompts, seed)
-    assert time.perf_counter() - t0 < 1.0
+    assert time.perf_counter() - t0 < 10.0, (seed, "no waits: a fake engine runs this in ~0.05 s")
 
 
 def test_a_tenant_below_its_share_takes_a_slot():
@@ -270,7 +270,7 @@ def test_a_tenant_below_its_share_takes_a_slot():
     assert victim.preemptions == 1, (seed, [(r.rid, r.preemptions) for r, _ in made])
     sched.run_until_idle()
     _exact([*(r for r, _ in made), b], [*(p for _, p in made), bp], seed)
-    assert time.perf_counter() - t0 < 1.0
+    assert time.perf_counter() - t0 < 10.0, (seed, "no waits: a fake engine runs this in ~0.05 s")
 
 
 def test_priorities_run_first_and_are_preempted_last():
@@ -295,7 +295,7 @@ def test_priorities_run_first_and_are_preempted_last():
         assert hi.preemptions == 0, seed
     assert sched.preemptions > 0, (seed, "the pool was meant to run out")
     _exact([hi, *(r for r, _ in low)], [hp, *(p for _, p in low)], seed)
-    assert time.perf_counter() - t0 < 1.0
+    assert time.perf_counter() - t0 < 10.0, (seed, "no waits: a fake engine runs this in ~0.05 s")
 
 
 def test_percentile_ratio_interval_covers_a_known_ratio():
