@@ -14,8 +14,8 @@ in this run, as the median of per-repeat ratios, with the variants interleaved i
 (order rotated) so background load lands on all of them; absolute times are printed alongside but
 never compared across runs; compile/warm-up happens before timing.
 
-Rows are registered in `experiments/benchlib/rows/` (one module each, see
-`benchlib/registry.py` for how to add one). `--rows` selects a subset; rows that share a
+Rows are registered in `gemini_jax/bench/rows/` (one module each, see
+`gemini_jax/bench/registry.py` for how to add one). `--rows` selects a subset; rows that share a
 measurement (`kv_bytes` reuses `paged_vs_contiguous`'s decode steps) compute it once.
 """
 
@@ -31,10 +31,9 @@ import traceback
 
 from gemini_jax.eval.record import code_files, git_commit
 
-# benchlib sits beside this script, whose directory Python puts on sys.path.
-from benchlib.machine import describe_machine, measure_bandwidth
-from benchlib.registry import ROWS, Context
-import benchlib.rows  # noqa: F401  (registers the rows)
+from gemini_jax.bench.machine import describe_machine, measure_bandwidth
+from gemini_jax.bench.registry import ROWS, Context
+import gemini_jax.bench.rows  # noqa: F401  (registers the rows)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -7,7 +7,7 @@ For two model shapes with random weights (the bytes read and the kernels launche
 on the values): the benchmark Llama (4 layers, 45M parameters) and SmolLM2-135M's shape (30
 layers, 576 wide, 135M parameters, tied embeddings), float32, paged cache (block 16), batch 1:
 
-1. the decode step of the engine's own path (`benchlib.decode.DecodeHarness`: `runner.decode`
+1. the decode step of the engine's own path (`gemini_jax.bench.decode.DecodeHarness`: `runner.decode`
    for k = 1, the k-step program for k > 1), median of interleaved repeats, at 2K and 8K tokens;
    bytes per step = the weights (each read once per step) + the engine's `kv_bytes_read`
    counter; achieved GB/s and the fraction of the HBM copy bandwidth measured in the same run;
@@ -39,7 +39,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import gemini_jax as gj  # noqa: E402
-from benchlib.decode import DecodeHarness  # noqa: E402
+from gemini_jax.bench.decode import DecodeHarness  # noqa: E402
 from gemini_jax.testing import random_model  # noqa: E402
 
 SHAPES = {

@@ -308,8 +308,8 @@ def main() -> None:
     from gemini_jax.eval.record import StudyResult, make_record, write_record
 
     _, held = corpus.load_split("heldout")
-    from benchlib.machine import measure_bandwidth
-    from benchlib.rows.decode_steps import weight_bytes_per_step
+    from gemini_jax.bench.machine import measure_bandwidth
+    from gemini_jax.bench.rows.decode_steps import weight_bytes_per_step
 
     import gemini_jax as gj
 

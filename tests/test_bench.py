@@ -15,7 +15,7 @@ BENCH = os.path.join(ROOT, "experiments", "bench.py")
 
 
 def test_list_rows_names_every_row_from_any_directory(tmp_path):
-    # benchlib is found beside the script (the script's directory is on sys.path), whatever the cwd.
+    # the rows come from the installed package (gemini_jax.bench), whatever the cwd.
     proc = subprocess.run([sys.executable, BENCH, "--list-rows"], cwd=tmp_path, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -186,11 +186,7 @@ def test_bad_steps_per_call_refused():
 def test_bench_harness_k_steps_decode_the_same_tokens():
     """The decode harness the bandwidth row times: a k-step call decodes the tokens k single
     steps decode (greedy on device vs on the host), and `rewind` returns to the same state."""
-    import os
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "experiments"))
-    from benchlib.decode import DecodeHarness
+    from gemini_jax.bench.decode import DecodeHarness
 
     model = random_model(tiny_config("llama"), 808)
     runs = {}

@@ -9,12 +9,12 @@ from tqdm import tqdm
 
 import gemini_jax as gj
 from gemini_jax.config import CacheConfig
-from benchlib.registry import Context, RowResult, row
-from benchlib.rows.common import llama
-from benchlib.timing import fmt_ratio, interleaved, md_table, median, ratio_stats
+from gemini_jax.bench.registry import Context, RowResult, row
+from gemini_jax.bench.rows.common import llama
+from gemini_jax.bench.timing import fmt_ratio, interleaved, md_table, median, ratio_stats
 
 
-class _Stamps:
+class Stamps:
     """A `generate` streamer that only records when each put arrives. generate calls put() once
     with the prompt (before prefill), then once per new token right after it is chosen."""
 
@@ -37,7 +37,7 @@ def _hf_decode(hf, prompt: np.ndarray, n: int):
     gc = transformers.GenerationConfig(max_new_tokens=n + 1, min_new_tokens=n + 1, do_sample=False,
                                        eos_token_id=None, pad_token_id=0, use_cache=True)
     ids = torch.from_numpy(prompt.astype(np.int64))[None]
-    stamps = _Stamps()
+    stamps = Stamps()
     with torch.inference_mode():
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gc, streamer=stamps)
     new = out[0, len(prompt):].tolist()

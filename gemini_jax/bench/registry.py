@@ -1,6 +1,6 @@
 """The row registry: each benchmark row is a function `ctx -> RowResult`, registered by name.
 
-To add a row: write `benchlib/rows/<name>.py` with
+To add a row: write `gemini_jax/bench/rows/<name>.py` with
 
     @row("my_row", about="one paragraph: what is compared, how it is timed")
     def my_row(ctx: Context) -> RowResult:
@@ -8,7 +8,7 @@ To add a row: write `benchlib/rows/<name>.py` with
         ...
         return RowResult(records=[{...}, ...], markdown="table + notes")
 
-and import it in `benchlib/rows/__init__.py`. Records are flat dicts (they go to bench.json as
+and import it in `gemini_jax/bench/rows/__init__.py`. Records are flat dicts (they go to bench.json as
 they are); the markdown is the row's section of BENCH.md (the heading is added for you).
 """
 

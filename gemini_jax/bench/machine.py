@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 
-from benchlib.timing import median
+from gemini_jax.bench.timing import median
 
 
 def _cpuinfo() -> dict:

@@ -11,9 +11,9 @@ import numpy as np
 from tqdm import tqdm
 
 import gemini_jax as gj
-from benchlib.registry import Context, RowResult, row
-from benchlib.rows.common import peak_rss_gib
-from benchlib.timing import fmt_bytes, fmt_ms, fmt_ratio, interleaved, md_table, median, ratio_stats
+from gemini_jax.bench.registry import Context, RowResult, row
+from gemini_jax.bench.rows.common import peak_rss_gib
+from gemini_jax.bench.timing import fmt_bytes, fmt_ms, fmt_ratio, interleaved, md_table, median, ratio_stats
 from gemini_jax.config import CacheConfig, EngineConfig, SparseConfig, TierConfig
 from gemini_jax.runtime import new_stats
 from gemini_jax.tiers.cost_model import measure_disk
@@ -29,7 +29,7 @@ def _sizes(ctx: Context) -> dict:
                               warmup=4, block_size=16, sparse_budget=1024, chunk=512))
 
 
-def _model():
+def tier_bench_model():
     """The shipped tiny model on real text when it exists (selection then follows real attention);
     else a random tiny model on random tokens (labelled as such in the report)."""
     from gemini_jax import tiny
@@ -47,7 +47,7 @@ def _model():
     return model, lambda n, rng: rng.integers(0, 256, n).astype(np.int32), "a random-init tiny model on random bytes"
 
 
-class _Variant:
+class TierVariant:
     """One engine holding one prefilled sequence; `timed(n)` decodes n greedy tokens."""
 
     def __init__(self, model, toks, s, *, tier: TierConfig | None):
@@ -99,7 +99,7 @@ class _Variant:
     "set against the disk's read bandwidth measured here with tensorstore (`measure_disk`)."))
 def tiers(ctx: Context) -> RowResult:
     s = _sizes(ctx)
-    model, text_of, model_desc = _model()
+    model, text_of, model_desc = tier_bench_model()
     toks = text_of(s["context"], np.random.default_rng(ctx.seed))
     cfg = model.cfg
     page_bytes = 2 * cfg.num_kv_heads * s["block_size"] * cfg.head_dim * np.dtype(cfg.dtype).itemsize
@@ -127,7 +127,7 @@ def tiers(ctx: Context) -> RowResult:
     live = {}
     try:
         for name, tier in tqdm(variants.items(), desc="tiers: prefill variants"):
-            live[name] = _Variant(model, toks, s, tier=tier)
+            live[name] = TierVariant(model, toks, s, tier=tier)
             for _ in range(s["warmup"]):
                 live[name].step()
         before = {n: dict(v.stats) for n, v in live.items()}

@@ -8,9 +8,9 @@ import os
 import numpy as np
 from omegaconf import OmegaConf
 
-from benchlib.registry import Context, RowResult, row
-from benchlib.rows.tiers import _model, _Variant
-from benchlib.timing import fmt_ms, fmt_ratio, interleaved, md_table, median, ratio_stats
+from gemini_jax.bench.registry import Context, RowResult, row
+from gemini_jax.bench.rows.tiers import TierVariant, tier_bench_model
+from gemini_jax.bench.timing import fmt_ms, fmt_ratio, interleaved, md_table, median, ratio_stats
 from gemini_jax.config import HardwareConfig, ModelConfig, TierConfig, from_dict
 from gemini_jax.tiers.link import link_for, matched_link
 
@@ -66,16 +66,16 @@ def _links(layer_seconds: float, block_size: int) -> tuple[dict, dict]:
     "(100 %, depth 0): ≥ 0.95×."))
 def tiers_link(ctx: Context) -> RowResult:
     s = _sizes(ctx)
-    model, text_of, model_desc = _model()
+    model, text_of, model_desc = tier_bench_model()
     records, notes = [], {}
     for context in s["contexts"]:
         toks = text_of(context, np.random.default_rng(ctx.seed))
         for share in s["shares"]:
-            live = {"all-resident": _Variant(model, toks, {**s, "repeats": s["repeats"] + 1}, tier=None)}
+            live = {"all-resident": TierVariant(model, toks, {**s, "repeats": s["repeats"] + 1}, tier=None)}
             # Every tiered engine runs (1 + steps) steps per link per repeat.
             grown = {**s, "steps": s["steps"] + 1, "repeats": s["repeats"] * N_LINKS}
             for d in s["depths"]:
-                live[f"depth {d}"] = _Variant(model, toks, grown, tier=TierConfig(
+                live[f"depth {d}"] = TierVariant(model, toks, grown, tier=TierConfig(
                     enabled=True, device_fraction=share, prefetch_depth=d, hot_threshold=0, link="emulate"))
             try:
                 for v in live.values():

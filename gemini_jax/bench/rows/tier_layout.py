@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from benchlib.registry import Context, RowResult, row
+from gemini_jax.bench.registry import Context, RowResult, row
 from gemini_jax.tiers import DiskOptions, DiskStore, PageSpec, measure_disk
 
 LAYOUTS = ("chunked", "sharded")

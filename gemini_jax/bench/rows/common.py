@@ -5,8 +5,8 @@ from __future__ import annotations
 import gc
 import resource
 
-from benchlib.models import BenchModel, build_llama, build_llama_jax
-from benchlib.registry import Context
+from gemini_jax.bench.models import BenchModel, build_llama, build_llama_jax
+from gemini_jax.bench.registry import Context
 
 
 def llama(ctx: Context) -> BenchModel:

@@ -9,11 +9,11 @@ from tqdm import tqdm
 
 import gemini_jax as gj
 from gemini_jax.config import CacheConfig
-from benchlib.decode import DecodeHarness
-from benchlib.registry import Context, RowResult, row
-from benchlib.rows.common import close_harnesses, llama, llama_weights
-from benchlib.rows.dense_vs_hf import _Stamps
-from benchlib.timing import fmt_ms, fmt_ratio, interleaved, md_table, median, ratio_stats
+from gemini_jax.bench.decode import DecodeHarness
+from gemini_jax.bench.registry import Context, RowResult, row
+from gemini_jax.bench.rows.common import close_harnesses, llama, llama_weights
+from gemini_jax.bench.rows.dense_vs_hf import Stamps
+from gemini_jax.bench.timing import fmt_ms, fmt_ratio, interleaved, md_table, median, ratio_stats
 
 KS = (1, 4, 8, 16)
 SPEED_GOAL = 2.0  # batch-1 decode at 2K: ours / transformers tokens/s
@@ -29,7 +29,7 @@ def _hf_decode(hf, prompts: np.ndarray, n: int) -> float:
     gc = transformers.GenerationConfig(max_new_tokens=n + 1, min_new_tokens=n + 1, do_sample=False,
                                        eos_token_id=None, pad_token_id=0, use_cache=True)
     ids = torch.from_numpy(prompts.astype(np.int64))
-    stamps = _Stamps()
+    stamps = Stamps()
     with torch.inference_mode():
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gc, streamer=stamps)
     if out.shape[1] - prompts.shape[1] != n + 1 or len(stamps.times) != n + 2:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from tqdm import tqdm
 
-from benchlib.decode import DecodeHarness
-from benchlib.registry import Context, RowResult, row
-from benchlib.rows.common import close_harnesses, llama, peak_rss_gib
-from benchlib.rows.kv_bytes import weight_bytes_per_step
-from benchlib.timing import fmt_bytes, fmt_ms, fmt_ratio, interleaved, md_table, median, ratio_stats
+from gemini_jax.bench.decode import DecodeHarness
+from gemini_jax.bench.registry import Context, RowResult, row
+from gemini_jax.bench.rows.common import close_harnesses, llama, peak_rss_gib
+from gemini_jax.bench.rows.kv_bytes import weight_bytes_per_step
+from gemini_jax.bench.timing import fmt_bytes, fmt_ms, fmt_ratio, interleaved, md_table, median, ratio_stats
 from gemini_jax.config import SparseConfig
 
 GOAL_CONTEXT = 131072  # the goals below are stated for this context, block_size 64, budget 2048

@@ -9,9 +9,9 @@ from tqdm import tqdm
 
 import gemini_jax as gj
 from gemini_jax.config import CacheConfig
-from benchlib.registry import Context, RowResult, row
-from benchlib.rows.common import llama
-from benchlib.timing import fmt_ratio, md_table, median, ratio_stats
+from gemini_jax.bench.registry import Context, RowResult, row
+from gemini_jax.bench.rows.common import llama
+from gemini_jax.bench.timing import fmt_ratio, md_table, median, ratio_stats
 
 
 @row("prefix_ttft", about=(

@@ -3,10 +3,10 @@ close the measured step comes to it."""
 
 from __future__ import annotations
 
-from benchlib.registry import Context, RowResult, row
-from benchlib.rows.common import llama
-from benchlib.rows.paged_vs_contiguous import measure_decode_steps
-from benchlib.timing import fmt_bytes, fmt_ms, md_table
+from gemini_jax.bench.registry import Context, RowResult, row
+from gemini_jax.bench.rows.common import llama
+from gemini_jax.bench.rows.paged_vs_contiguous import measure_decode_steps
+from gemini_jax.bench.timing import fmt_bytes, fmt_ms, md_table
 
 
 def weight_bytes_per_step(cfg, itemsize: int = 4) -> int:

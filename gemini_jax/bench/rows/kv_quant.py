@@ -7,10 +7,10 @@ from tqdm import tqdm
 
 import gemini_jax as gj
 
-from benchlib.decode import DecodeHarness
-from benchlib.registry import Context, RowResult, row
-from benchlib.rows.common import close_harnesses, llama_weights
-from benchlib.timing import fmt_bytes, fmt_ms, fmt_ratio, interleaved, md_table, median, ratio_stats
+from gemini_jax.bench.decode import DecodeHarness
+from gemini_jax.bench.registry import Context, RowResult, row
+from gemini_jax.bench.rows.common import close_harnesses, llama_weights
+from gemini_jax.bench.timing import fmt_bytes, fmt_ms, fmt_ratio, interleaved, md_table, median, ratio_stats
 from gemini_jax.config import SparseConfig, TierConfig
 
 QUANT = ("int8", "float8_e4m3fn")

@@ -8,10 +8,10 @@ import jax
 import jax.numpy as jnp
 from tqdm import tqdm
 
-from benchlib.decode import DecodeHarness
-from benchlib.registry import Context, RowResult, row
-from benchlib.rows.common import close_harnesses, llama, peak_rss_gib
-from benchlib.timing import fmt_ms, interleaved, md_table, median, ratio_stats
+from gemini_jax.bench.decode import DecodeHarness
+from gemini_jax.bench.registry import Context, RowResult, row
+from gemini_jax.bench.rows.common import close_harnesses, llama, peak_rss_gib
+from gemini_jax.bench.timing import fmt_ms, interleaved, md_table, median, ratio_stats
 from gemini_jax.attention.select import page_scores, select_pages
 from gemini_jax.config import SparseConfig
 from gemini_jax.cache.shapes import table_width

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from tqdm import tqdm
 
-from benchlib.decode import DecodeHarness
-from benchlib.registry import Context, RowResult, row
-from benchlib.rows.common import llama
-from benchlib.timing import fmt_ms, fmt_ratio, interleaved, md_table, median, ratio_stats
+from gemini_jax.bench.decode import DecodeHarness
+from gemini_jax.bench.registry import Context, RowResult, row
+from gemini_jax.bench.rows.common import llama
+from gemini_jax.bench.timing import fmt_ms, fmt_ratio, interleaved, md_table, median, ratio_stats
 
 GOAL = 1.15  # paged should stay within this factor of contiguous
 
