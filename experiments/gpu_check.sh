@@ -20,7 +20,7 @@
 #   BENCH_ARGS="--quick"     arguments for experiments/bench.py (add --rows to pick rows)
 #
 # Results: OUTDIR/SUMMARY.md (one line per step, then the kernel report), OUTDIR/<step>.log,
-# OUTDIR/gpu_kernels.{json,md} (experiments/gpu_kernels.py), OUTDIR/kernel_tests.xml,
+# OUTDIR/gpu_kernels.{json,md} (gemini_jax/bench/gpu_kernels.py), OUTDIR/kernel_tests.xml,
 # OUTDIR/bench/BENCH.md + bench.json, OUTDIR/decode_steps/BENCH.md + bench.json (k-step decode).
 
 set -uo pipefail
@@ -126,9 +126,9 @@ for d in jax.devices():
 
 # ---- 4. kernels: HBM bandwidth, achieved K/V bandwidth, XLA and jax's kernel, goals ----------
 if ((DRY_RUN)); then
-  step gpu_kernels 150 "$PY" experiments/gpu_kernels.py "$OUT" --dry-run
+  step gpu_kernels 150 "$PY" -m gemini_jax.bench.gpu_kernels "$OUT" --dry-run
 else
-  step gpu_kernels 240 "$PY" experiments/gpu_kernels.py "$OUT"
+  step gpu_kernels 240 "$PY" -m gemini_jax.bench.gpu_kernels "$OUT"
 fi
 
 # ---- 5. GPU kernel tests: compiled on the GPU against the jnp references, and CUDA lowering -----

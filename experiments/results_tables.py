@@ -386,14 +386,9 @@ def serve_block(results_dir: str) -> str:
     rec = _load(results_dir, "serve_load/serve_load")
     if rec is None:
         return _missing("serve")
-    import importlib.util
+    from gemini_jax.bench.serve_load import markdown  # one renderer for the record's .md and docs/results.md
 
-    # The table is the experiment's own markdown (one renderer for the record's .md and docs/results.md).
-    spec = importlib.util.spec_from_file_location("serve_load", os.path.join(os.path.dirname(__file__),
-                                                                             "serve_load.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.markdown(rec) + f"\n\nFrom {_link('serve_load/serve_load')}."
+    return markdown(rec) + f"\n\nFrom {_link('serve_load/serve_load')}."
 
 
 QUANT_TAGS = (("int8", "int8"), ("float8_e4m3fn", "fp8"))

@@ -1,7 +1,7 @@
 """Decode-attention kernels on a GPU: correctness, achieved bandwidth, goals.
 
-    python experiments/gpu_kernels.py OUTDIR            # on a GPU (experiments/gpu_check.sh runs it)
-    python experiments/gpu_kernels.py OUTDIR --dry-run  # any host: tiny shapes, interpret mode
+    python -m gemini_jax.bench.gpu_kernels OUTDIR            # on a GPU (experiments/gpu_check.sh runs it)
+    python -m gemini_jax.bench.gpu_kernels OUTDIR --dry-run  # any host: tiny shapes, interpret mode
 
 Measures, in one process:
 - HBM copy bandwidth: a jitted `x + 1` over a large array (bytes read + written / time);
@@ -39,15 +39,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from gemini_jax.attention import dispatch
+from gemini_jax.attention.views import PageView, Selection
+from pallas_kernels.paged_decode import paged_decode_attention_reference
+from pallas_kernels.paged_decode_gpu import paged_decode_attention_gpu
+from pallas_kernels.sparse_decode import sparse_decode_attention_reference
+from pallas_kernels.sparse_decode_gpu import sparse_decode_attention_gpu
 
-from gemini_jax.attention import dispatch  # noqa: E402
-from gemini_jax.attention.views import PageView, Selection  # noqa: E402
-from pallas_kernels.paged_decode import paged_decode_attention_reference  # noqa: E402
-from pallas_kernels.paged_decode_gpu import paged_decode_attention_gpu  # noqa: E402
-from pallas_kernels.sparse_decode import sparse_decode_attention_reference  # noqa: E402
-from pallas_kernels.sparse_decode_gpu import sparse_decode_attention_gpu  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout (its commit)
 
 PAGED_HBM_GOAL = 0.70
 SPARSE_SPEEDUP_GOAL = 10.0
@@ -310,7 +309,7 @@ def main(argv=None) -> int:
     result = {"dry_run": args.dry_run, "backend": jax.default_backend(), "jax": jax.__version__,
               "python": platform.python_version(),
               "devices": [f"{d} ({getattr(d, 'device_kind', '?')})" for d in jax.devices()],
-              "commit": commit(), "command": " ".join(["python experiments/gpu_kernels.py", *sys.argv[1:]]),
+              "commit": commit(), "command": " ".join(["python -m gemini_jax.bench.gpu_kernels", *sys.argv[1:]]),
               # a result record's fields (gemini_jax.eval.record): seeds are fixed per shape
               # (make_pool: batch * 7 + context, batch * 11 + context; selections: the budget)
               "config": dataclasses.asdict(plan), "split": None, "seeds": ["per shape, see make_pool"],

@@ -1,7 +1,7 @@
 """Decode on a GPU against the HBM bound, and where a step's time goes.
 
-    python experiments/gpu_decode_profile.py OUTDIR             # a GPU (about 4 minutes on an H200)
-    python experiments/gpu_decode_profile.py OUTDIR --dry-run   # any host: tiny shapes, checks the script
+    python -m gemini_jax.bench.gpu_decode_profile OUTDIR             # a GPU (about 4 minutes on an H200)
+    python -m gemini_jax.bench.gpu_decode_profile OUTDIR --dry-run   # any host: tiny shapes, checks the script
 
 For two model shapes with random weights (the bytes read and the kernels launched do not depend
 on the values): the benchmark Llama (4 layers, 45M parameters) and SmolLM2-135M's shape (30
@@ -31,16 +31,14 @@ import tempfile
 import time
 from collections import defaultdict
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-
-import gemini_jax as gj  # noqa: E402
-from gemini_jax.bench.decode import DecodeHarness  # noqa: E402
-from gemini_jax.testing import random_model  # noqa: E402
+import gemini_jax as gj
+from gemini_jax.bench.decode import DecodeHarness
+from gemini_jax.testing import random_model
 
 SHAPES = {
     "bench-llama": dict(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_layers=4, num_heads=8,
@@ -204,7 +202,7 @@ def main(argv=None) -> int:
     except OSError:
         commit = "unknown"
     res = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "commit": commit,
-           "command": "python experiments/gpu_decode_profile.py OUTDIR" + (" --dry-run" if dry else ""),
+           "command": "python -m gemini_jax.bench.gpu_decode_profile OUTDIR" + (" --dry-run" if dry else ""),
            "seed": args.seed, "steps": steps, "repeats": repeats, "hbm_copy_gbs": hbm_copy_gbs(dry),
            "rows": [], "profiles": []}
     print(f"HBM copy: {res['hbm_copy_gbs']:.1f} GB/s", flush=True)
