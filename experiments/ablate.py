@@ -4,7 +4,7 @@
     python experiments/ablate.py --multirun experiment=ablate_prefetch_depth   # 0 .. 8 (see NOTE)
     python experiments/ablate.py --multirun experiment=ablate_block_size engine.cache.block_size=16,64 \
         sparse=quest experiment.workload.needle_length=1536
-    python experiments/report.py ablate_block_size                             # table + plots
+    python experiments/results.py --report ablate_block_size                   # table + plots
 
 The sweep itself is declared in the experiment config (`hydra.sweeper.params`); a command-line
 sweep of the same key replaces it. Each job builds the engine from the composed config, then on

@@ -5,8 +5,10 @@
     python experiments/results.py needle --missing       # only jobs whose record file is absent
     python experiments/results.py --render               # rewrite docs/results.md's generated tables
     python experiments/results.py --stale                # records measured on other code than HEAD's
+    python experiments/results.py --reproduce needle/rerank_8k_test --sample 10   # rerun a record's trials here
+    python experiments/results.py --report ablate_block_size   # an ablation sweep's table + plots (or a sweep dir)
 
-Each job is an `experiments/run.py` (or `bench.py`) command; it writes its record (command, config, commit, split,
+Each job is an `experiments/run.py` (or `bench.py`, ...) command; it writes its record (command, config, commit, split,
 seeds, records) under experiments/results/. `--render` rebuilds the blocks of docs/results.md
 between `<!-- results:NAME -->` and `<!-- /results:NAME -->` from those files alone, so a table
 there is never typed by hand; tests/test_results_files.py checks that those blocks are what the
@@ -26,6 +28,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+from gemini_jax.errors import ConfigError
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "experiments", "results")
 DEPTHS10 = "[0.05,0.15,0.25,0.35,0.45,0.55,0.65,0.75,0.85,0.95]"
@@ -42,6 +46,11 @@ class Job:
     @property
     def path(self) -> str:
         return os.path.join(RESULTS, self.record + ".json")
+
+    @property
+    def source(self) -> str | None:
+        """The record a `--reproduce` job reruns a sample of (None: any other job)."""
+        return self.overrides[1] if self.overrides[:1] == ("--reproduce",) else None
 
 
 def _needle(name, preset, length, trials, split, minutes, depths=DEPTHS10):
@@ -156,15 +165,15 @@ SUBSETS["kv_quant"] = [*_quant("int8", "int8"), *_quant("float8_e4m3fn", "fp8"),
                        Job("bench_kv_quant/bench", ("--rows", "kv_quant", "--out", "experiments/results/bench_kv_quant"),
                            6, script="bench.py")]
 # A sample of each needle / bits-per-byte record rerun at the current commit, trial by trial
-# (experiments/reproduce.py): minutes instead of the hours a full rerun of those subsets takes.
+# (`--reproduce`, gemini_jax.eval.reproduce): minutes instead of the hours a full rerun of those subsets takes.
 # 6 needle trials per record, 2 windows per context; the quantized records (which hold fewer) 4 and 1.
 _REPRODUCED = [(j, 6 if j.record.startswith("needle/") else 2) for j in (*SUBSETS["needle"], *SUBSETS["bpb"])]
 _REPRODUCED += [(j, 4 if j.record.startswith("needle/") else 1) for j in SUBSETS["kv_quant"]
                 if j.script == "run.py"]
 SUBSETS["reproduce"] = [
-    Job(f"reproduce/{j.record.replace('/', '_')}", (j.record, "--sample", str(n)),
+    Job(f"reproduce/{j.record.replace('/', '_')}", ("--reproduce", j.record, "--sample", str(n)),
         4 if "32k" in j.record or "extrapolate" in j.record and j.record.startswith("perplexity/") else 2,
-        script="reproduce.py")
+        script="results.py")
     for j, n in _REPRODUCED]
 
 # What a record's figures depend on: a commit that changes none of these leaves every record valid.
@@ -201,8 +210,8 @@ def _changed_since(commit: str, code: list[str] | None = None, experiment: str |
 def _experiment_of(job: "Job") -> str | None:
     """The experiment (conf/experiment/<name>.yaml) a job's run selects: run.py's `experiment=`
     override, or for a reproduction the reproduced job's. None: not known (every file counts)."""
-    if job.script == "reproduce.py":
-        target = next((j for jobs in SUBSETS.values() for j in jobs if j.record == job.overrides[0]), None)
+    if job.source:
+        target = next((j for jobs in SUBSETS.values() for j in jobs if j.record == job.source), None)
         return None if target is None else _experiment_of(target)
     if job.script != "run.py":
         return None
@@ -302,7 +311,7 @@ def stale_records() -> list[tuple[str, str, str]]:
         if os.path.exists(job.path) and _changed_since(*commit_of(job)) == 0:
             with open(job.path) as fh:
                 o = json.load(fh)["outcome"]
-            reproduced[job.overrides[0]] = o["equal"] == o["checked"]
+            reproduced[job.source] = o["equal"] == o["checked"]
     out = []
     for jobs in SUBSETS.values():
         for job in jobs:
@@ -342,7 +351,88 @@ def run_subset(name: str, *, missing_only: bool, stale_only: bool = False) -> in
     return failed
 
 
+def reproduce(record: str, sample: int, argv: list[str]) -> int:
+    """Rerun `sample` trials of a committed needle / bits-per-byte record at this commit; write
+    experiments/results/reproduce/<study>_<name>.{json,md}. Exit 1 when one differs."""
+    import json
+
+    from gemini_jax.eval.record import StudyResult, make_record, write_record
+    from gemini_jax.eval.reproduce import markdown, rerun
+
+    path = os.path.join(RESULTS, record + ".json")
+    if not os.path.exists(path):
+        raise ConfigError(f"no record {path}")
+    with open(path) as fh:
+        source = json.load(fh)
+    outcome = rerun(source, sample)
+    print(f"{record}: {outcome['equal']}/{outcome['checked']} trials reproduce"
+          + (f", max |Δ| {outcome['max_abs_diff']:.2e}" if outcome["kind"] == "bpb" else ""))
+    for row in outcome["rows"]:
+        if not row["equal"]:
+            print(f"  differs: {row}")
+    study, name = record.split("/", 1)
+    rec = make_record("reproduce", StudyResult(
+        name=f"{study}_{name}", records=outcome["rows"], split=source["split"], seeds=source["seeds"],
+        extra={"source": record, "source_commit": source["commit"],
+               "outcome": {k: v for k, v in outcome.items() if k != "rows"}}),
+        command="python experiments/results.py " + " ".join(argv), config={"record": record, "sample": sample})
+    paths = write_record(RESULTS, rec, markdown(rec))
+    print(f"written {os.path.relpath(paths['json'], ROOT)}")
+    return 0 if outcome["equal"] == outcome["checked"] else 1
+
+
+# A sweep small enough to run where none is on disk (notebook 02, the tests): every phase of an ablation
+# job (decode timing, needle, bits per byte) shrunk to a few seconds, two block sizes.
+SMALL_WORKLOAD = (
+    "experiment.workload.prompt_tokens=64", "experiment.workload.decode_tokens=8",
+    "experiment.workload.decode_repeats=2", "experiment.workload.needle_length=128",
+    "experiment.workload.needle_trials=2", "experiment.workload.bpb_context=128",
+    "experiment.workload.bpb_windows=1", "experiment.workload.bpb_scored=16", "engine.max_seq_len=256",
+)
+SMALL_SWEEP = ("experiment=ablate_block_size", "engine.cache.block_size=16,64")
+
+
+def run_small_sweep(out_dir: str) -> str:
+    """Run `ablate.py --multirun` over SMALL_SWEEP at SMALL_WORKLOAD sizes into `out_dir/sweep` (wandb
+    offline under out_dir unless WANDB_MODE says otherwise) and return that sweep directory. About a
+    minute on 2 CPU cores; the figures are a demonstration of the tooling, not measurements."""
+    sweep = os.path.join(out_dir, "sweep")
+    env = dict(os.environ, WANDB_MODE=os.environ.get("WANDB_MODE", "offline"), WANDB_SILENT="true")
+    for key in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
+        env.setdefault(key, os.path.join(out_dir, key.lower()))
+    cmd = [sys.executable, os.path.join(ROOT, "experiments", "ablate.py"), "--multirun", *SMALL_SWEEP,
+           *SMALL_WORKLOAD, f"hydra.sweep.dir={sweep}", f"wandb.dir={os.path.join(out_dir, 'wandb')}"]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    print(f"ran a small sweep in {time.perf_counter() - t0:.0f} s: python experiments/ablate.py --multirun "
+          f"{' '.join(SMALL_SWEEP)} (toy sizes) -> {sweep}")
+    return sweep
+
+
+def report(target: str, results_dir: str) -> int:
+    """An ablation sweep's REPORT.md and plots, written beside its JSON files (gemini_jax.eval.sweeps)."""
+    from gemini_jax.eval import sweeps
+
+    sweep_dir = sweeps.find_sweep(target, results_dir)
+    paths = sweeps.write_report(sweep_dir)
+    with open(paths["md"]) as fh:
+        print(fh.read())
+    print(f"report: wrote {paths['md']}")
+    print(f"report: plots {', '.join(os.path.basename(v) for k, v in paths.items() if k != 'md')} in {sweep_dir}")
+    return 0
+
+
 def main(argv=None) -> int:
+    try:
+        return _main(sys.argv[1:] if argv is None else list(argv))
+    except ConfigError as err:  # one line, no traceback
+        print(f"results: {err}", file=sys.stderr)
+        return 1
+
+
+def _main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("subsets", nargs="*", help=f"named subsets ({', '.join(SUBSETS)}; 'all' for every one)")
     ap.add_argument("--list", action="store_true", help="list subsets and jobs, run nothing")
@@ -353,7 +443,18 @@ def main(argv=None) -> int:
                          "needle or bits-per-byte record its sample reproduces is not rerun in full")
     ap.add_argument("--stale", action="store_true",
                     help="list records whose code (" + ", ".join(CODE_PATHS) + ") changed since they were measured")
+    ap.add_argument("--reproduce", metavar="STUDY/NAME",
+                    help="rerun a sample of a needle or bits-per-byte record's trials at this commit")
+    ap.add_argument("--sample", type=int, default=10,
+                    help="--reproduce: needle trials to rerun, spread over the grid; bits per byte: windows per context")
+    ap.add_argument("--report", metavar="SWEEP", help="an ablation sweep's table and plots: a sweep directory, or a "
+                    "sweep name (its latest sweep under --results-dir/ablations/<name>/)")
+    ap.add_argument("--results-dir", default=RESULTS, help="--report: where the sweeps were written")
     args = ap.parse_args(argv)
+    if args.reproduce:
+        return reproduce(args.reproduce, args.sample, argv)
+    if args.report:
+        return report(args.report, args.results_dir)
     if args.stale:
         stale = stale_records()
         for record, commit, why in stale:

@@ -497,7 +497,7 @@ def kv_quant_block(results_dir: str) -> str:
 
 def reproduce_block(results_dir: str) -> str:
     """One row per needle / bits-per-byte record docs/results.md shows: a sample of its trials rerun at a
-    later commit (experiments/reproduce.py), and how many came out the same."""
+    later commit (`experiments/results.py --reproduce`), and how many came out the same."""
     import importlib.util
 
     # experiments/results.py names the records (this module may be loaded by path, off sys.path)
@@ -513,7 +513,7 @@ def reproduce_block(results_dir: str) -> str:
     for job in results.SUBSETS["reproduce"]:
         rec = _load(results_dir, job.record)
         loaded.append(rec)
-        source = job.overrides[0]
+        source = job.source
         if rec is None:
             rows.append(f"| {_link(source)} | — | — | — | {_missing('reproduce')} | — |")
             continue

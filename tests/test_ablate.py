@@ -1,4 +1,4 @@
-"""experiments/ablate.py + experiments/report.py: a real (tiny) Hydra multirun, then its report.
+"""experiments/ablate.py + `experiments/results.py --report`: a real (tiny) Hydra multirun, then its report.
 
 The sweeps run as subprocesses exactly as a user launches them, with overrides that shrink the
 workload to a few seconds per job; wandb runs offline into the test's temporary directory.
@@ -17,12 +17,12 @@ from gemini_jax import tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ABLATE = os.path.join(ROOT, "experiments", "ablate.py")
-REPORT = os.path.join(ROOT, "experiments", "report.py")
+RESULTS_PY = os.path.join(ROOT, "experiments", "results.py")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-sys.path.insert(0, os.path.dirname(REPORT))
-import report  # noqa: E402  (experiments/report.py)
+sys.path.insert(0, os.path.dirname(RESULTS_PY))
+import results  # noqa: E402  (experiments/results.py)
 
-TINY_WORKLOAD = list(report.SMALL_WORKLOAD)  # every phase of a job shrunk to a few seconds
+TINY_WORKLOAD = list(results.SMALL_WORKLOAD)  # every phase of a job shrunk to a few seconds
 
 
 def sandbox_env(tmp) -> dict:
@@ -64,7 +64,7 @@ def load_jobs(directory) -> dict:
 
 
 def run_report(*args) -> str:
-    proc = subprocess.run([sys.executable, REPORT, *map(str, args)], cwd=ROOT, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, RESULTS_PY, "--report", *map(str, args)], cwd=ROOT, capture_output=True, text=True,
                           timeout=300, env={**os.environ, "MPLBACKEND": "Agg"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc.stdout

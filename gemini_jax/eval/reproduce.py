@@ -117,3 +117,22 @@ def rerun(record: dict, n: int) -> dict:
         return rerun_bpb(engine_for(record, max(r["context"] for r in record["records"]) + 16), record, n)
     raise ConfigError(f"record {record.get('name')!r} is a {study!r} record; only {KINDS} records can be rerun "
                       "trial by trial (rerun the others whole: `make results SUBSET=...`).")
+
+
+def markdown(rec: dict) -> str:
+    """The table of a reproduction record (`experiments/results.py --reproduce`)."""
+    r = rec["outcome"]
+    head = (f"### Reproduction of [{rec['source']}](../{rec['source']}.md) at `{rec['commit'][:7]}`\n\n"
+            f"Recorded at `{rec['source_commit'][:7]}`; {r['checked']} trials rerun one by one through the engine "
+            f"configuration the record names: **{r['equal']}/{r['checked']} reproduce**"
+            + (f" (max |Δ bits/byte| {r['max_abs_diff']:.2e}, tolerance {r['tolerance']:.0e})" if r["kind"] == "bpb"
+               else " (the same generated text)") + ".\n\n")
+    if r["kind"] == "needle":
+        rows = ["| trial | length | depth | key | recorded | now | same |", "|---|---|---|---|---|---|---|"]
+        rows += [f"| {x['trial']} | {x['length']} | {x['depth']} | {x['key']} | `{x['recorded']!r}` | `{x['now']!r}` | "
+                 f"{'✓' if x['equal'] else '✗'} |" for x in rec["records"]]
+    else:
+        rows = ["| context | window | recorded | now | abs diff | same |", "|---|---|---|---|---|---|"]
+        rows += [f"| {x['context']} | {x['window']} | {x['recorded']:.6f} | {x['now']:.6f} | {x['abs_diff']:.1e} | "
+                 f"{'✓' if x['equal'] else '✗'} |" for x in rec["records"]]
+    return head + "\n".join(rows) + "\n"

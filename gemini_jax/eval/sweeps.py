@@ -1,38 +1,15 @@
-"""Reports over written results: one ablation sweep's table and plots (the JSON files
-`experiments/ablate.py` writes).
-
-    python experiments/report.py ablate_block_size              # latest sweep of that name
-    python experiments/report.py experiments/outputs/multirun/2026-01-01_12-00-00   # a sweep dir
-    python experiments/report.py /path/to/dir --results-dir /elsewhere/results
-
-A name is looked up under `<results-dir>/ablations/<name>/`, taking its most recently written
-sweep; a directory is read as it is. Writes `REPORT.md` (markdown table, notes, links to the
-plots) and one PNG per metric plus `summary.png`, next to the JSON files, and prints where.
-"""
+"""An ablation sweep read back: the JSON files `experiments/ablate.py` writes, one per point of a
+Hydra multirun, as a markdown table with the caveats a reader must see, and one PNG per metric.
+`python experiments/results.py --report <sweep dir or name>` writes them beside the JSON files."""
 
 from __future__ import annotations
 
-import argparse
 import glob
 import json
 import math
 import os
-import subprocess
-import sys
-import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_RESULTS = os.path.join(HERE, "results")
-
-# A sweep small enough to run where none is on disk (notebook 02, the tests): every phase of a job
-# (decode timing, needle, bits per byte) shrunk to a few seconds, two block sizes.
-SMALL_WORKLOAD = (
-    "experiment.workload.prompt_tokens=64", "experiment.workload.decode_tokens=8",
-    "experiment.workload.decode_repeats=2", "experiment.workload.needle_length=128",
-    "experiment.workload.needle_trials=2", "experiment.workload.bpb_context=128",
-    "experiment.workload.bpb_windows=1", "experiment.workload.bpb_scored=16", "engine.max_seq_len=256",
-)
-SMALL_SWEEP = ("experiment=ablate_block_size", "engine.cache.block_size=16,64")
+from gemini_jax.errors import ConfigError
 
 # (metric key, column / axis label, format) in report order.
 METRICS = [
@@ -51,15 +28,15 @@ EXTRA_COLUMNS = [
 ]
 
 
-def find_sweep(target: str, results_dir: str = DEFAULT_RESULTS) -> str:
+def find_sweep(target: str, results_dir: str) -> str:
     """A sweep directory from a directory path or a sweep name (its latest sweep)."""
     if os.path.isdir(target):
         return os.path.abspath(target)
     base = os.path.join(results_dir, "ablations", target)
     subdirs = [d for d in glob.glob(os.path.join(base, "*")) if os.path.isdir(d) and glob.glob(os.path.join(d, "*.json"))]
     if not subdirs:
-        raise SystemExit(f"report: {target!r} is neither a directory nor a sweep name with results under "
-                         f"{base}/; run `python experiments/ablate.py --multirun experiment={target}` first.")
+        raise ConfigError(f"{target!r} is neither a directory nor a sweep name with results under {base}/; run "
+                          f"`python experiments/ablate.py --multirun experiment={target}` first.")
     return max(subdirs, key=lambda d: max(os.path.getmtime(f) for f in glob.glob(os.path.join(d, "*.json"))))
 
 
@@ -73,16 +50,16 @@ def load_sweep(sweep_dir: str) -> list[dict]:
             try:
                 rec = json.load(fh)
             except json.JSONDecodeError as err:
-                raise SystemExit(f"report: {path} is not valid JSON ({err}); the job that wrote it was probably "
-                                 f"cut short. Rerun that sweep point, or remove the file to report without it.")
+                raise ConfigError(f"{path} is not valid JSON ({err}); the job that wrote it was probably cut short. "
+                                  f"Rerun that sweep point, or remove the file to report without it.")
         if isinstance(rec, dict) and "sweep" in rec and "metrics" in rec:
             rec["_path"] = path
             records.append(rec)
     if not records:
-        raise SystemExit(f"report: no ablation JSON files in {sweep_dir}.")
+        raise ConfigError(f"no ablation JSON files in {sweep_dir}.")
     knobs = sorted({r["sweep"]["knob"] for r in records})
     if len(knobs) > 1:
-        raise SystemExit(f"report: {sweep_dir} mixes sweeps over {knobs}; give one sweep's directory.")
+        raise ConfigError(f"{sweep_dir} mixes sweeps over {knobs}; give one sweep's directory.")
     return sorted(records, key=lambda r: _sort_key(r["sweep"]["value"]))
 
 
@@ -124,9 +101,8 @@ def notes(records: list[dict]) -> list[str]:
 
 
 def _shown(path: str) -> str:
-    """A path as it reads in a committed report: relative to the repository when inside it."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    path = os.path.abspath(path)
+    """A path as it reads in a written report: relative to the working directory when inside it."""
+    root, path = os.getcwd(), os.path.abspath(path)
     return os.path.relpath(path, root) if path.startswith(root + os.sep) else path
 
 
@@ -217,42 +193,3 @@ def write_report(sweep_dir: str) -> dict:
     with open(md_path, "w") as fh:
         fh.write(markdown(records, sweep_dir, pngs))
     return {"md": md_path, **pngs}
-
-
-def run_small_sweep(out_dir: str) -> str:
-    """Run `ablate.py --multirun` over SMALL_SWEEP at SMALL_WORKLOAD sizes into `out_dir/sweep` (wandb
-    offline under out_dir unless WANDB_MODE says otherwise) and return that sweep directory. About a
-    minute on 2 CPU cores; the figures are a demonstration of the tooling, not measurements."""
-    sweep = os.path.join(out_dir, "sweep")
-    env = dict(os.environ, WANDB_MODE=os.environ.get("WANDB_MODE", "offline"), WANDB_SILENT="true")
-    for key in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
-        env.setdefault(key, os.path.join(out_dir, key.lower()))
-    cmd = [sys.executable, os.path.join(HERE, "ablate.py"), "--multirun", *SMALL_SWEEP, *SMALL_WORKLOAD,
-           f"hydra.sweep.dir={sweep}", f"wandb.dir={os.path.join(out_dir, 'wandb')}"]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=os.path.dirname(HERE), env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    print(f"ran a small sweep in {time.perf_counter() - t0:.0f} s: python experiments/ablate.py --multirun "
-          f"{' '.join(SMALL_SWEEP)} (toy sizes) -> {sweep}")
-    return sweep
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("sweep", help="a sweep directory, or a sweep name (e.g. ablate_block_size)")
-    p.add_argument("--results-dir", default=DEFAULT_RESULTS,
-                   help="where the results were written (default: experiments/results)")
-    args = p.parse_args(argv)
-    sweep_dir = find_sweep(args.sweep, args.results_dir)
-    paths = write_report(sweep_dir)
-    with open(paths["md"]) as fh:
-        print(fh.read())
-    print(f"report: wrote {paths['md']}")
-    print(f"report: plots {', '.join(os.path.basename(v) for k, v in paths.items() if k != 'md')} in {sweep_dir}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
