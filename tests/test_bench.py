@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from test_ablate import ROOT, sandbox_env
@@ -56,3 +57,30 @@ def test_smollm2_decode_row_quick(tmp_path):
     for r in recs:  # 30 layers x 2 x 3 kv heads x 64 x 4 B per token of context, weights ~0.5 GB
         assert r["kv_bytes_per_step"] >= 128 * 30 * 2 * 3 * 64 * 4 and r["weight_bytes_per_step"] > 4e8, r
         assert 0 < r["fraction_of_bound"] and r["vs_hf_ratio_min"] <= r["vs_hf_ratio"] <= r["vs_hf_ratio_max"]
+
+
+def test_decode_profile_reads_op_self_times_and_loops(tmp_path):
+    """`decode_profile.trace_ops` on a perfetto trace written here: an op's self time excludes the
+    ops nested in it, ops inside a `while` are marked as in the loop, and host events are dropped."""
+    import gzip
+
+    from gemini_jax.bench.rows.decode_profile import trace_ops
+
+    rng = np.random.default_rng(5)
+    a, b, c = (float(x) for x in rng.integers(5, 50, 3))  # two ops inside a loop, one after it
+    events = [{"ph": "X", "pid": 1, "tid": 7, "name": "while.12", "ts": 100.0, "dur": a + b + 3.0},
+              {"ph": "X", "pid": 1, "tid": 7, "name": "copy_bitcast_fusion.3", "ts": 101.0, "dur": a},
+              {"ph": "X", "pid": 1, "tid": 7, "name": "dot_general.4", "ts": 101.0 + a + 1.0, "dur": b},
+              {"ph": "X", "pid": 1, "tid": 7, "name": "dot.231", "ts": 200.0 + a + b, "dur": c},
+              {"ph": "X", "pid": 1, "tid": 7, "name": "ThunkExecutor::Execute", "ts": 90.0, "dur": 500.0},
+              {"ph": "X", "pid": 1, "tid": 7, "name": "$decode.py:102 step", "ts": 80.0, "dur": 600.0}]
+    (tmp_path / "plugins").mkdir()
+    with gzip.open(tmp_path / "plugins" / "x.trace.json.gz", "wt") as fh:
+        json.dump({"traceEvents": events}, fh)
+    ops = {o["name"]: o for o in trace_ops(str(tmp_path))}
+    where = f"seed=5, durations {a, b, c}"
+    assert set(ops) == {"while.12", "copy_bitcast_fusion.3", "dot_general.4", "dot.231"}, where
+    assert ops["while.12"]["self"] == pytest.approx(3.0) and not ops["while.12"]["in_loop"], where
+    assert ops["copy_bitcast_fusion.3"]["in_loop"] and ops["dot_general.4"]["in_loop"], where
+    assert ops["copy_bitcast_fusion.3"]["kind"] == "copy_bitcast_fusion", where
+    assert not ops["dot.231"]["in_loop"] and ops["dot.231"]["self"] == c, where
