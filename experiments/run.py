@@ -509,6 +509,7 @@ def main(cfg: DictConfig) -> None:
         print(f"jax.distributed: {'joined a multi-host job' if joined else 'single process (no coordinator in env)'}; "
               f"{jax.process_count()} process(es), {jax.device_count()} device(s)")
     hw = build(HardwareConfig, cfg.hardware)
+    build(EngineConfig, cfg.engine)  # a wrong engine field fails here, before a model loads for seconds
     name = cfg.experiment.name
     if name not in EXPERIMENTS and name not in studies.NAMES:
         raise gj.errors.ConfigError(f"experiment.name={name!r} must be one of {sorted([*EXPERIMENTS, *studies.NAMES])}.")

@@ -12,11 +12,14 @@ import pytest
 from gemini_jax.testing import float_tolerance
 
 
-@pytest.fixture(scope="module")
-def report():
+# `make test` runs the meshes and resumes that each cover a case; `make test-slow` adds the (8x1)
+# mesh and the resumes that repeat a covered pair (mesh_check.py's docstring).
+@pytest.fixture(scope="module", params=["ci", pytest.param("full", marks=pytest.mark.slow)])
+def report(request):
     seed = 2024  # fixed: a failure replays; reported in the messages
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mesh_check.py")
-    out = subprocess.run([sys.executable, script, str(seed)], capture_output=True, text=True, timeout=900)
+    out = subprocess.run([sys.executable, script, str(seed), request.param], capture_output=True, text=True,
+                         timeout=900)
     line = [l for l in out.stdout.splitlines() if l.startswith("REPORT ")]
     assert line, out.stdout[-2000:] + out.stderr[-4000:]
     return json.loads(line[0][len("REPORT "):])

@@ -1,5 +1,6 @@
 """Chunk-sparse attention: exactness at full budget, digests, exact top-k selection, errors."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -118,8 +119,9 @@ def test_selection_is_exact_top_k():
         scores = rng.normal(size=(B, K, W)).astype(np.float32)
         last = rng.integers(0, W * S, B)
         k, sink, local = int(rng.integers(3, 12)), int(rng.integers(0, 3)), int(rng.integers(1, 3))
-        got = np.asarray(select_pages(jnp.asarray(scores), jnp.asarray(last), jnp.asarray(last),
-                                      block_size=S, k=k, sink_pages=sink, local_pages=local))
+        select = jax.jit(lambda s, f, l: select_pages(s, f, l, block_size=S, k=k, sink_pages=sink,
+                                                      local_pages=local))  # one program, not op by op
+        got = np.asarray(select(jnp.asarray(scores), jnp.asarray(last), jnp.asarray(last)))
         for b in range(B):
             lp = last[b] // S
             for h in range(K):
@@ -147,9 +149,11 @@ def test_top_p_selection_is_the_brute_force_mass_cut(trials):
         last = rng.integers(W * S // 2, W * S, B)
         k, sink, local = int(rng.integers(3, 16)), int(rng.integers(0, 2)), int(rng.integers(1, 3))
         p, min_k, scale = float(rng.choice([0.3, 0.7, 0.9])), int(rng.integers(0, 3)), float(rng.choice([0.5, 2.0]))
-        s, top_s, top_i = rank_pages(jnp.asarray(scores), jnp.asarray(last), jnp.asarray(last), block_size=S, k=k,
-                                     sink_pages=sink, local_pages=local)
-        got = np.asarray(kept_pages(top_i, within_mass(s, top_s, MassCut(p, min_k, scale)), W))
+        def cut(scores, last):  # one program per trial: op by op, each new shape compiles its own ops
+            s, top_s, top_i = rank_pages(scores, last, last, block_size=S, k=k, sink_pages=sink, local_pages=local)
+            return kept_pages(top_i, within_mass(s, top_s, MassCut(p, min_k, scale)), W)
+
+        got = np.asarray(jax.jit(cut)(jnp.asarray(scores), jnp.asarray(last)))
         for b in range(B):
             lp = last[b] // S
             for h in range(K):
