@@ -147,7 +147,10 @@ SUBSETS: dict[str, list[Job]] = {
                                           "--out", "experiments/results/bench_decode"), 35, script="bench.py"),
                # The pretrained model against transformers on the same GGUF, as a fraction of the bound.
                Job("bench_smollm2/bench", ("--rows", "smollm2_decode", "--out", "experiments/results/bench_smollm2"),
-                   15, script="bench.py")],
+                   15, script="bench.py"),
+               # Where a batch-1 step's time goes at 2K and 16K: a profiler trace, attention against the rest.
+               Job("bench_profile/bench", ("--rows", "decode_profile", "--out", "experiments/results/bench_profile"),
+                   5, script="bench.py")],
 }
 # Quantized KV on the test trials the float32 records hold (the first trials of each cell, the first
 # windows of each context: the same prompts), paired with them by results_tables.kv_quant_block.

@@ -319,11 +319,32 @@ def decode_block(results_dir: str) -> str:
             need = 2 * r["tokens_per_s"] * bw[0]["weight_bytes_per_step"] / 1e9
             notes.append(f"2× transformers at 2K needs ≥ {need:.1f} GB/s for the weights alone "
                          f"(measured bandwidth {gbs:.1f} GB/s).")
-    return "\n".join(rows + ["", " ".join(notes), "", f"Goals: batch 1 at 2K ≥ 2× transformers; ≥ 60% of the bandwidth bound "
+    return "\n".join(rows + ["", " ".join(notes), "", *profile_lines(results_dir), f"Goals: batch 1 at 2K ≥ 2× transformers; ≥ 60% of the bandwidth bound "
                                  f"(weights + KV bytes per step at the {gbs:.1f} GB/s measured in the same run) "
                                  f"at 16K. Ratios are medians of per-repeat ratios (min–max), all variants "
                                  f"interleaved in one process. From [BENCH.md]({LINK_BASE}/bench_decode/BENCH.md) "
                                  f"(raw: `bench.json`), commit `{rec['commit'][:7]}`, seed {rec['seeds'][0]}."])
+
+
+def profile_lines(results_dir: str) -> list[str]:
+    """Where a batch-1 step's time goes (the `decode_profile` bench row), when its record exists."""
+    rec = _load(results_dir, "bench_profile/bench")
+    if rec is None:
+        return []
+    recs = rec["rows"]["decode_profile"]["records"]
+    lines = [f"Where a batch-1 step's time goes (k = {recs[0]['k']}; a `jax.profiler` trace of the k-step program, each part's "
+             "traced share projected onto the untraced step):", "",
+             "| context | step | bound | attention: share, KV read at | the rest: weights read at |", "|---|---|---|---|---|"]
+    for r in recs:
+        lines.append(f"| {r['context']} | {r['step_seconds_plain'] * 1e3:.2f} ms | {r['bound_seconds'] * 1e3:.2f} ms | "
+                     f"{r['attention_share']:.0%}, {r['kv_bytes_per_step'] / 2**20:.0f} MiB at {r['attention_gbs']:.1f} GB/s | "
+                     f"{r['weight_bytes_per_step'] / 2**20:.0f} MiB at {r['rest_gbs']:.1f} GB/s |")
+    kinds = recs[-1]["attention_kinds_us"]
+    total = sum(kinds.values()) or 1.0
+    top = ", ".join(f"`{k}` {v / total:.0%}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])[:4])
+    return lines + ["", f"Inside the attention loop at the longest context, self time by op kind: {top}. From "
+                    f"[BENCH.md]({LINK_BASE}/bench_profile/BENCH.md), commit `{rec['commit'][:7]}`, seed {rec['seeds'][0]}; "
+                    f"bandwidth {rec['bandwidth']['reference_gbs']:.1f} GB/s measured in the same run.", ""]
 
 
 TIER_LINKS = ("real", "nominal PCIe 5", "h200 PCIe 4", "h200 PCIe 5", "l40s PCIe 5", "rtx4090 PCIe 5")
