@@ -1,14 +1,14 @@
-"""Row `decode_profile`: where a batch-1 decode step's time goes, op by op, against the bytes each
-part of it must read.
+"""Row `decode_profile`: where a batch-1 decode step's time goes, against the bytes each part of it
+must read.
 
-A `jax.profiler` trace of a few k-step calls (the engine's own program, `DecodeHarness`) records
-every XLA op the CPU runs. The ops are split in two by what encloses them: attention over the
-pages (the per-layer loop `paged_decode.decode_over_pages` runs: one `while` op per layer and step)
-and the rest of the step (the weight products, norms, sampling). Each part's time per token is set
-against the bytes it reads (the engine's `kv_bytes_read` counter; the weights), which gives the rate
-it reads them at, as a share of the bandwidth measured in the same run. Inside the attention loop,
-the ops are grouped by kind (the name XLA gives a fusion, without its number): what copies pages,
-what masks, what multiplies.
+Two measurements of the engine's own k-step program (`DecodeHarness`), neither under the profiler:
+the step at a short context, where attention reads almost nothing (what is left is the weight
+products, norms and sampling), and the step at a long one. The growth between them is attention
+over the pages, and the engine's `kv_bytes_read` counter gives the bytes that growth reads: bytes
+over time is the rate each part reads at, beside the bandwidth measured in the same run. A
+`jax.profiler` trace at the long context then splits the attention loop (`decode_over_pages`: one
+`while` op per layer and step) by op kind (the name XLA gives a fusion, without its number): what
+copies pages, what masks, what multiplies.
 """
 
 from __future__ import annotations
@@ -35,116 +35,138 @@ from gemini_jax.bench.timing import fmt_bytes, fmt_ms, md_table, median
 HOST_EVENTS = re.compile(r"^\$|Thunk|PjitFunction|PjRt|np\.asarray|Execute")
 
 
-def trace_ops(trace_dir: str) -> list[dict]:
-    """The XLA op events of the perfetto trace under `trace_dir`: name, kind (the name without its
-    `.N`), duration and self time in µs (without the ops nested in it), and whether an attention
-    loop (a `while` op) encloses it."""
+def read_trace(trace_dir: str) -> list[dict]:
+    """The complete ('X') events of the perfetto trace `jax.profiler` wrote under `trace_dir`."""
     files = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
     if not files:
         raise RuntimeError(f"jax.profiler wrote no perfetto trace under {trace_dir}")
     with gzip.open(files[0], "rt") as fh:
         events = json.load(fh)
     events = events["traceEvents"] if isinstance(events, dict) else events
-    ops = [e for e in events if e.get("ph") == "X" and "dur" in e and not HOST_EVENTS.search(e["name"])]
+    return [e for e in events if e.get("ph") == "X" and "dur" in e]
+
+
+def loop_body_times(events: list[dict], loops: set[str]) -> dict[str, float]:
+    """Self time (µs) per op kind of the ops in the bodies of the `while` ops named in `loops`.
+
+    XLA's CPU runtime runs ops asynchronously: a loop's event covers the part on its own thread and
+    the rest of its body runs on the intra-op pool's threads, so a span in time does not tell which
+    ops are the loop's. Op names do: each HLO instruction has its own name, so every op seen nested
+    in a loop's event on that thread is a body op, and so is each of its runs on another thread.
+    Self time is an op's time less the ops nested in it on its thread. Host events are dropped."""
+    ops = [e for e in events if not HOST_EVENTS.search(e["name"]) and not e["name"].startswith("end: ")]
     by_thread = defaultdict(list)
     for e in ops:
         by_thread[e["pid"], e["tid"]].append(e)
-    out = []
+    body, selfs = set(), []
     for evs in by_thread.values():
         evs.sort(key=lambda e: (float(e["ts"]), -float(e["dur"])))
-        stack: list[dict] = []  # the open ops enclosing the current one, outermost first
+        stack: list[list] = []  # [name, end, self] of the open ops on this thread, outermost first
         for e in evs:
             ts, dur = float(e["ts"]), float(e["dur"])
-            while stack and ts >= stack[-1]["end"]:
+            while stack and ts >= stack[-1][1]:
                 stack.pop()
-            rec = {"name": e["name"], "kind": re.sub(r"\.\d+$", "", e["name"]), "dur": dur, "self": dur,
-                   "end": ts + dur, "in_loop": any(s["kind"] == "while" for s in stack)}
+            if any(name in loops for name, _, _ in stack):
+                body.add(e["name"])
             if stack:
-                stack[-1]["self"] -= dur
-            stack.append(rec)
-            out.append(rec)
-    return out
+                stack[-1][2] -= dur
+            stack.append([e["name"], ts + dur, dur])
+            selfs.append(stack[-1])
+    kinds = defaultdict(float)
+    for name, _, self_us in selfs:
+        if name in body:
+            kinds[re.sub(r"\.\d+$", "", name)] += self_us
+    return dict(kinds)
 
 
-def profile_step(model, context: int, k: int, calls: int, seed: int) -> dict:
-    """One context: the step time without the profiler (median of 3), then a trace of `calls`
-    k-step calls, summarised per token."""
-    h = DecodeHarness(model, kind="paged", context=context, new_tokens=k * (calls + 4), seed=seed, steps_per_call=k)
+def step_seconds(model, context: int, k: int, seed: int, trace_calls: int = 0) -> tuple[float, float, list]:
+    """(seconds per step without the profiler, median of 3; KV bytes per step; the trace events of
+    `trace_calls` k-step calls, or [] when 0)."""
+    h = DecodeHarness(model, kind="paged", context=context, new_tokens=k * (trace_calls + 4), seed=seed,
+                      steps_per_call=k)
     try:
         h.timed(k)  # compile + warm
         plain = median([h.timed(2 * k) for _ in range(3)])
-        h.rewind()
         kv_bytes = h.kv_bytes_per_step
-        trace_dir = tempfile.mkdtemp(prefix="gj_decode_trace_")
-        try:
-            with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-                for _ in range(calls):
-                    h.step()
-                jax.block_until_ready(h.next_tok)
-            ops = trace_ops(trace_dir)
-        finally:
-            shutil.rmtree(trace_dir, ignore_errors=True)
+        events = []
+        if trace_calls:
+            h.rewind()
+            trace_dir = tempfile.mkdtemp(prefix="gj_decode_trace_")
+            try:
+                with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+                    for _ in range(trace_calls):
+                        h.step()
+                    jax.block_until_ready(h.next_tok)
+                events = read_trace(trace_dir)
+            finally:
+                shutil.rmtree(trace_dir, ignore_errors=True)
+        return plain, kv_bytes, events
     finally:
         close_harnesses(h)
+
+
+def profile_step(model, context: int, k: int, calls: int, seed: int, short: int) -> dict:
+    """Attention's cost at `context` as the step's growth from `short` tokens (where it reads
+    little KV) to `context`, set against the KV bytes that growth reads; the rest as the short
+    step, against the weights; and the attention loop's ops by kind, from a trace."""
+    base, base_kv, _ = step_seconds(model, short, k, seed)
+    plain, kv_bytes, events = step_seconds(model, context, k, seed, calls)
     tokens = calls * k
-    loops = [o for o in ops if o["kind"] == "while" and not o["in_loop"]]
-    steps_loops = [o for o in loops if sum(x["name"] == o["name"] for x in loops) >= tokens]  # one per layer and step
-    if not steps_loops:
-        raise RuntimeError(f"no attention loop in the trace at {context} tokens (op kinds: "
-                           f"{sorted({o['kind'] for o in ops})[:20]}); the loop needs more than one chunk of pages.")
-    attention = sum(o["dur"] for o in steps_loops) / tokens
-    total = sum(o["self"] for o in ops) / tokens
-    kinds = defaultdict(float)
-    for o in ops:
-        if o["in_loop"]:
-            kinds[o["kind"]] += o["self"] / tokens
-    rest = defaultdict(float)
-    for o in ops:
-        if not o["in_loop"] and o["kind"] != "while":
-            rest[o["name"]] += o["self"] / tokens
-    return {"context": context, "k": k, "calls": calls, "step_seconds_plain": plain, "kv_bytes_per_step": kv_bytes,
-            "traced_op_us_per_token": total, "attention_us_per_token": attention,
-            "rest_us_per_token": total - attention, "attention_kinds_us": dict(kinds),
-            "rest_top_us": dict(sorted(rest.items(), key=lambda kv: -kv[1])[:5])}
+    counts = defaultdict(int)
+    for e in events:
+        counts[e["name"]] += e["name"].startswith("while.")
+    # The attention loops: a `while` op run once per layer and step (not the k-step loop around them).
+    loops = {n for n, c in counts.items() if c >= tokens}
+    if not loops:
+        raise RuntimeError(f"no attention loop in the trace at {context} tokens; the loop needs more than one "
+                           f"chunk of pages (paged_decode.CHUNK_PAGES).")
+    kinds = {kind: us / tokens for kind, us in loop_body_times(events, loops).items()}
+    return {"context": context, "k": k, "calls": calls, "short_context": short, "step_seconds_plain": plain,
+            "short_step_seconds": base, "kv_bytes_per_step": kv_bytes, "short_kv_bytes_per_step": base_kv,
+            "attention_kinds_us": kinds}
 
 
 @row("decode_profile", about=(
     "Where a batch-1 decode step's time goes on this backend (the benchmark Llama's shape, fp32, paged "
-    "cache of block 16, k = 16 steps per call): a `jax.profiler` trace of the engine's k-step program, "
-    "its XLA ops split into attention over the pages (the per-layer `while` loop of "
-    "`paged_decode.decode_over_pages`) and the rest of the step, each against the bytes it reads "
-    "(the `kv_bytes_read` counter; the weights) and the bandwidth measured in this run. The traced op "
-    "times run slower than the untraced step (the profiler's own cost), so the table gives each part's "
-    "share of the traced time and projects it onto the untraced step."))
+    "cache of block 16, k = 16 steps per call): the step at a short context (the weights, norms and "
+    "sampling; attention reads almost nothing) against the step at 2K and 16K, whose growth is "
+    "attention over the pages and reads the KV the engine's `kv_bytes_read` counts; each part's "
+    "bytes over its time is the rate it reads at, next to the bandwidth measured in this run. A "
+    "`jax.profiler` trace of the k-step program splits the attention loop "
+    "(`paged_decode.decode_over_pages`) by op kind: what copies pages, what masks, what multiplies."))
 def decode_profile(ctx: Context) -> RowResult:
     # Quick: past one chunk of pages (paged_decode.CHUNK_PAGES x 16 tokens), so the loop stays a loop.
-    s = ctx.pick(quick=dict(contexts=(1280,), k=4, calls=1), full=dict(contexts=(2048, 16384), k=16, calls=2))
+    s = ctx.pick(quick=dict(contexts=(1280,), k=4, calls=1, short=64),
+                 full=dict(contexts=(2048, 16384), k=16, calls=2, short=64))
     model = llama_weights(ctx).ours
     w_bytes = weight_bytes_per_step(model.cfg)
     bw = ctx.bandwidth["reference_gbs"] * 1e9
     recs, table, inside = [], [], []
     for context in s["contexts"]:
         t0 = time.perf_counter()
-        p = profile_step(model, context, s["k"], s["calls"], ctx.seed)
-        share = p["attention_us_per_token"] / p["traced_op_us_per_token"]
-        att_s, rest_s = share * p["step_seconds_plain"], (1 - share) * p["step_seconds_plain"]
-        rec = {"row": "decode_profile", **p, "weight_bytes_per_step": w_bytes, "attention_share": share,
-               "attention_seconds_projected": att_s, "rest_seconds_projected": rest_s,
-               "attention_gbs": p["kv_bytes_per_step"] / att_s / 1e9, "rest_gbs": w_bytes / rest_s / 1e9,
+        p = profile_step(model, context, s["k"], s["calls"], ctx.seed, s["short"])
+        att_s = p["step_seconds_plain"] - p["short_step_seconds"]
+        att_bytes = p["kv_bytes_per_step"] - p["short_kv_bytes_per_step"]
+        rec = {"row": "decode_profile", **p, "weight_bytes_per_step": w_bytes,
+               "attention_seconds": att_s, "attention_share": att_s / p["step_seconds_plain"],
+               "attention_gbs": att_bytes / att_s / 1e9 if att_s > 0 else None,
+               "rest_gbs": (w_bytes + p["short_kv_bytes_per_step"]) / p["short_step_seconds"] / 1e9,
                "bound_seconds": (p["kv_bytes_per_step"] + w_bytes) / bw, "profile_seconds": time.perf_counter() - t0}
         recs.append(rec)
+        att = "–" if rec["attention_gbs"] is None else f"{rec['attention_gbs']:.1f} GB/s"
         table.append([context, fmt_ms(p["step_seconds_plain"]), fmt_ms(rec["bound_seconds"]),
                       f"{100 * rec['bound_seconds'] / p['step_seconds_plain']:.0f}%",
-                      f"{100 * share:.0f}%", f"{fmt_bytes(p['kv_bytes_per_step'])} at {rec['attention_gbs']:.1f} GB/s",
-                      f"{fmt_bytes(w_bytes)} at {rec['rest_gbs']:.1f} GB/s"])
+                      fmt_ms(p["short_step_seconds"]), f"{fmt_bytes(w_bytes)} at {rec['rest_gbs']:.1f} GB/s",
+                      f"{100 * rec['attention_share']:.0f}%", f"{fmt_bytes(att_bytes)} at {att}"])
         kinds = sorted(p["attention_kinds_us"].items(), key=lambda kv: -kv[1])
-        att = sum(v for _, v in kinds) or 1.0
-        inside.append(f"- {context} tokens: " + ", ".join(f"`{kd}` {100 * v / att:.0f}%" for kd, v in kinds[:6])
-                      + "; outside it, the ops taking most: "
-                      + ", ".join(f"`{n}` {v:.0f} µs" for n, v in p["rest_top_us"].items()))
-    md = md_table(["context", "step (untraced)", "bound: bytes / bandwidth", "of the bound", "attention share",
-                   "attention reads KV", "the rest reads weights"], table)
-    md += ("\n\nInside the attention loop, self time by op kind (share of the loop):\n\n" + "\n".join(inside)
-           + f"\n\nBandwidth {ctx.bandwidth['reference_gbs']:.1f} GB/s ({ctx.bandwidth['reference']}); rates are bytes "
-           "over the untraced step time times the part's traced share (a projection, not a separate measurement).")
+        total = sum(v for _, v in kinds) or 1.0
+        inside.append(f"- {context} tokens: " + ", ".join(f"`{kd}` {100 * v / total:.0f}%" for kd, v in kinds[:6]))
+    md = md_table(["context", "step", "bound: bytes / bandwidth", "of the bound", f"step at {s['short']} tokens",
+                   "it reads the weights at", "attention: share of the step", "attention reads its KV at"], table)
+    md += ("\n\nAttention's cost is the step's growth from a short context to this one, against the KV bytes that "
+           "growth reads (the engine's `kv_bytes_read`); the short step stands for the rest (weights, norms, "
+           "sampling). Inside the attention loop, self time by op kind (share of the loop's ops; a "
+           "`jax.profiler` trace of the k-step program):\n\n" + "\n".join(inside)
+           + f"\n\nBandwidth {ctx.bandwidth['reference_gbs']:.1f} GB/s ({ctx.bandwidth['reference']}), measured "
+           "in this run.")
     return RowResult(records=recs, markdown=md)
