@@ -332,19 +332,20 @@ def profile_lines(results_dir: str) -> list[str]:
     if rec is None:
         return []
     recs = rec["rows"]["decode_profile"]["records"]
-    lines = [f"Where a batch-1 step's time goes (k = {recs[0]['k']}; a `jax.profiler` trace of the k-step program, each part's "
-             "traced share projected onto the untraced step):", "",
-             "| context | step | bound | attention: share, KV read at | the rest: weights read at |", "|---|---|---|---|---|"]
+    lines = [f"Where a batch-1 step's time goes (k = {recs[0]['k']}): the step at {recs[0]['short_context']} tokens "
+             "stands for the weights; its growth to the long context is attention, against the KV bytes it reads.", "",
+             "| context | step | bound | weights read at | attention: share, KV read at | attention loop by op kind |",
+             "|---|---|---|---|---|---|"]
     for r in recs:
+        kinds = sorted(r["attention_kinds_us"].items(), key=lambda kv: -kv[1])
+        total = sum(v for _, v in kinds) or 1.0
+        att = "–" if r["attention_gbs"] is None else f"{r['attention_gbs']:.1f} GB/s"
         lines.append(f"| {r['context']} | {r['step_seconds_plain'] * 1e3:.2f} ms | {r['bound_seconds'] * 1e3:.2f} ms | "
-                     f"{r['attention_share']:.0%}, {r['kv_bytes_per_step'] / 2**20:.0f} MiB at {r['attention_gbs']:.1f} GB/s | "
-                     f"{r['weight_bytes_per_step'] / 2**20:.0f} MiB at {r['rest_gbs']:.1f} GB/s |")
-    kinds = recs[-1]["attention_kinds_us"]
-    total = sum(kinds.values()) or 1.0
-    top = ", ".join(f"`{k}` {v / total:.0%}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])[:4])
-    return lines + ["", f"Inside the attention loop at the longest context, self time by op kind: {top}. From "
-                    f"[BENCH.md]({LINK_BASE}/bench_profile/BENCH.md), commit `{rec['commit'][:7]}`, seed {rec['seeds'][0]}; "
-                    f"bandwidth {rec['bandwidth']['reference_gbs']:.1f} GB/s measured in the same run.", ""]
+                     f"{r['rest_gbs']:.1f} GB/s | {r['attention_share']:.0%}, {att} | "
+                     + ", ".join(f"`{k}` {v / total:.0%}" for k, v in kinds[:4]) + " |")
+    return lines + ["", f"From [BENCH.md]({LINK_BASE}/bench_profile/BENCH.md), commit `{rec['commit'][:7]}`, seed "
+                    f"{rec['seeds'][0]}; bandwidth {rec['bandwidth']['reference_gbs']:.1f} GB/s measured in the same run.",
+                    ""]
 
 
 TIER_LINKS = ("real", "nominal PCIe 5", "h200 PCIe 4", "h200 PCIe 5", "l40s PCIe 5", "rtx4090 PCIe 5")
