@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass
 
 from gemini_jax.errors import ConfigError
+from gemini_jax.eval.record import adds_only_definitions, same_installs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "experiments", "results")
@@ -192,7 +193,7 @@ def _changed_since(commit: str, code: list[str] | None = None, experiment: str |
     """Files the record depends on (its `code` and ALWAYS; CODE_PATHS when `code` is None) that
     differ between `commit` and HEAD (-1: a commit this clone lacks). Files added since do not
     count: a record cannot have run what did not exist, and wiring a new file in changes one that
-    did. pyproject.toml counts only when what it installs changed (`_same_installs`). With
+    did. pyproject.toml counts only when what it installs changed (`same_installs`). With
     `experiment` (the one its run selected, `_experiment_of`), the files of other experiments
     under conf/experiment/ do not count: Hydra reads the selected one and what it names."""
     paths = CODE_PATHS if code is None else (*ALWAYS, *code)
@@ -205,7 +206,7 @@ def _changed_since(commit: str, code: list[str] | None = None, experiment: str |
     if "pyproject.toml" in files:
         old = subprocess.run(["git", "show", f"{commit}:pyproject.toml"], cwd=ROOT, capture_output=True, text=True)
         with open(os.path.join(ROOT, "pyproject.toml")) as fh:
-            if old.returncode == 0 and _same_installs(old.stdout, fh.read()):
+            if old.returncode == 0 and same_installs(old.stdout, fh.read()):
                 files.remove("pyproject.toml")
     return len(files)
 
@@ -244,58 +245,7 @@ def _only_adds_definitions(commit: str, path: str) -> bool:
     and comments do not count: rewording what a knob means measures nothing new."""
     texts = [subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, capture_output=True, text=True)
              for rev in (commit, "HEAD")]
-    return all(t.returncode == 0 for t in texts) and _adds_only_definitions(texts[0].stdout, texts[1].stdout)
-
-
-def _adds_only_definitions(old_src: str, new_src: str) -> bool:
-    import ast
-
-    try:
-        old, new = _without_docstrings(ast.parse(old_src)).body, _without_docstrings(ast.parse(new_src)).body
-    except SyntaxError:
-        return False
-    bound = {n.id for s in old for n in ast.walk(s) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
-    bound |= {s.name for s in old if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
-    bound |= {(a.asname or a.name).split(".")[0] for s in old if isinstance(s, (ast.Import, ast.ImportFrom))
-              for a in s.names}
-    kept = iter(ast.dump(s) for s in old)
-    want = next(kept, None)
-    for stmt in new:
-        if ast.dump(stmt) == want:
-            want = next(kept, None)
-        elif not (isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
-                  and not stmt.decorator_list and stmt.name not in bound):
-            return False
-        else:
-            bound.add(stmt.name)
-    return want is None
-
-
-def _without_docstrings(tree):
-    """`tree` with the docstring of every module, class and function dropped (a body left empty
-    gets a `pass`), so two sources that differ only there dump alike."""
-    import ast
-
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
-            first = node.body[0]
-            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
-                    and isinstance(first.value.value, str):
-                node.body = node.body[1:] or [ast.Pass()]
-    return tree
-
-
-def _same_installs(old_toml: str, new_toml: str) -> bool:
-    """Whether two pyproject.toml texts install the same: the Python range, the dependencies and
-    every extra the old one had. Tool settings (pytest, ruff, import-linter), the version string
-    and a new extra change no measurement."""
-    import tomllib
-
-    old, new = tomllib.loads(old_toml).get("project", {}), tomllib.loads(new_toml).get("project", {})
-    if any(old.get(k) != new.get(k) for k in ("requires-python", "dependencies")):
-        return False
-    new_extras = new.get("optional-dependencies", {})
-    return all(new_extras.get(name) == deps for name, deps in old.get("optional-dependencies", {}).items())
+    return all(t.returncode == 0 for t in texts) and adds_only_definitions(texts[0].stdout, texts[1].stdout)
 
 
 def stale_records() -> list[tuple[str, str, str]]:

@@ -328,24 +328,10 @@ def decode_block(results_dir: str) -> str:
 
 def profile_lines(results_dir: str) -> list[str]:
     """Where a batch-1 step's time goes (the `decode_profile` bench row), when its record exists."""
+    from gemini_jax.bench.rows.decode_profile import summary_lines
+
     rec = _load(results_dir, "bench_profile/bench")
-    if rec is None:
-        return []
-    recs = rec["rows"]["decode_profile"]["records"]
-    lines = [f"Where a batch-1 step's time goes (k = {recs[0]['k']}): the step at {recs[0]['short_context']} tokens "
-             "stands for the weights; its growth to the long context is attention, against the KV bytes it reads.", "",
-             "| context | step | bound | weights read at | attention: share, KV read at | attention loop by op kind |",
-             "|---|---|---|---|---|---|"]
-    for r in recs:
-        kinds = sorted(r["attention_kinds_us"].items(), key=lambda kv: -kv[1])
-        total = sum(v for _, v in kinds) or 1.0
-        att = "–" if r["attention_gbs"] is None else f"{r['attention_gbs']:.1f} GB/s"
-        lines.append(f"| {r['context']} | {r['step_seconds_plain'] * 1e3:.2f} ms | {r['bound_seconds'] * 1e3:.2f} ms | "
-                     f"{r['rest_gbs']:.1f} GB/s | {r['attention_share']:.0%}, {att} | "
-                     + ", ".join(f"`{k}` {v / total:.0%}" for k, v in kinds[:4]) + " |")
-    return lines + ["", f"From [BENCH.md]({LINK_BASE}/bench_profile/BENCH.md), commit `{rec['commit'][:7]}`, seed "
-                    f"{rec['seeds'][0]}; bandwidth {rec['bandwidth']['reference_gbs']:.1f} GB/s measured in the same run.",
-                    ""]
+    return [] if rec is None else summary_lines(rec, f"{LINK_BASE}/bench_profile/BENCH.md")
 
 
 TIER_LINKS = ("real", "nominal PCIe 5", "h200 PCIe 4", "h200 PCIe 5", "l40s PCIe 5", "rtx4090 PCIe 5")

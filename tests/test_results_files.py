@@ -14,6 +14,7 @@ import sys
 
 import pytest
 
+from gemini_jax.eval.record import adds_only_definitions, same_installs
 from test_ablate import ROOT
 
 RESULTS = os.path.join(ROOT, "experiments", "results")
@@ -197,38 +198,37 @@ def test_stale_check_ignores_added_files_and_tool_settings():
     assert mod._changed_since(first, added[:5]) == mod._changed_since(first, [])
     base = '[project]\nrequires-python = ">=3.10"\ndependencies = ["jax>=0.7"]\n' \
            '[project.optional-dependencies]\nhf = ["torch==2.13.0"]\n'
-    assert mod._same_installs(base, base + '[tool.pytest.ini_options]\naddopts = "-q"\n')
-    assert mod._same_installs(base, base.replace('hf = ["torch==2.13.0"]', 'hf = ["torch==2.13.0"]\ncode = ["x"]'))
-    assert not mod._same_installs(base, base.replace("jax>=0.7", "jax>=0.8"))
-    assert not mod._same_installs(base, base.replace("torch==2.13.0", "torch==2.14.0"))
-    assert not mod._same_installs(base, base.replace(">=3.10", ">=3.11"))
+    assert same_installs(base, base + '[tool.pytest.ini_options]\naddopts = "-q"\n')
+    assert same_installs(base, base.replace('hf = ["torch==2.13.0"]', 'hf = ["torch==2.13.0"]\ncode = ["x"]'))
+    assert not same_installs(base, base.replace("jax>=0.7", "jax>=0.8"))
+    assert not same_installs(base, base.replace("torch==2.13.0", "torch==2.14.0"))
+    assert not same_installs(base, base.replace(">=3.10", ">=3.11"))
 
 
 def test_stale_check_lets_a_module_gain_new_definitions_only():
     """A module that only gains new undecorated top-level functions or classes runs its old code
     the same; any other edit (a changed or removed statement, a rebound name, a decorator, a new
     assignment) counts as a change."""
-    mod = _results_module()
     old = '"""Errors."""\nimport os\n\nLIMIT = 3\n\n\nclass Base(Exception):\n    pass\n\n\ndef f(x):\n    return x + LIMIT\n'
     new_class = "\n\nclass SourceError(Base, ValueError):\n    \"\"\"Bad source.\"\"\"\n"
-    assert mod._adds_only_definitions(old, old)
-    assert mod._adds_only_definitions(old, old + new_class)
-    assert mod._adds_only_definitions(old, old.replace("\n\ndef f", new_class + "\n\ndef f"))  # in between
-    assert mod._adds_only_definitions(old, old.replace("return x + LIMIT", "return x  +  LIMIT"))  # layout only
-    assert not mod._adds_only_definitions(old, old.replace("LIMIT = 3", "LIMIT = 4"))
-    assert not mod._adds_only_definitions(old, old.replace("return x + LIMIT", "return x - LIMIT"))
-    assert not mod._adds_only_definitions(old, old + "\n\ndef f(x):\n    return 0\n")  # rebinds f
-    assert not mod._adds_only_definitions(old, old + "\n\ndef os():\n    pass\n")  # rebinds an import
-    assert not mod._adds_only_definitions(old, old + "\n\n@register\ndef g():\n    pass\n")
-    assert not mod._adds_only_definitions(old, old + "\nEXTRA = 1\n")
-    assert not mod._adds_only_definitions(old, old.replace("LIMIT = 3\n", ""))  # a statement removed
-    assert not mod._adds_only_definitions(old, "def (:\n")
+    assert adds_only_definitions(old, old)
+    assert adds_only_definitions(old, old + new_class)
+    assert adds_only_definitions(old, old.replace("\n\ndef f", new_class + "\n\ndef f"))  # in between
+    assert adds_only_definitions(old, old.replace("return x + LIMIT", "return x  +  LIMIT"))  # layout only
+    assert not adds_only_definitions(old, old.replace("LIMIT = 3", "LIMIT = 4"))
+    assert not adds_only_definitions(old, old.replace("return x + LIMIT", "return x - LIMIT"))
+    assert not adds_only_definitions(old, old + "\n\ndef f(x):\n    return 0\n")  # rebinds f
+    assert not adds_only_definitions(old, old + "\n\ndef os():\n    pass\n")  # rebinds an import
+    assert not adds_only_definitions(old, old + "\n\n@register\ndef g():\n    pass\n")
+    assert not adds_only_definitions(old, old + "\nEXTRA = 1\n")
+    assert not adds_only_definitions(old, old.replace("LIMIT = 3\n", ""))  # a statement removed
+    assert not adds_only_definitions(old, "def (:\n")
     # Docstrings are not code: rewording one (or adding, or dropping it) changes nothing that runs.
-    assert mod._adds_only_definitions(old, old.replace('"""Errors."""', '"""Errors, reworded."""'))
-    assert mod._adds_only_definitions(old, old.replace("    return x + LIMIT", '    """Add."""\n    return x + LIMIT'))
-    assert mod._adds_only_definitions(old.replace("    pass\n", '    """Base."""\n'), old)
-    assert not mod._adds_only_definitions(old, old.replace("    return x + LIMIT", '    "Add."\n    return x - LIMIT'))
-    assert not mod._adds_only_definitions(old, old.replace("LIMIT = 3", 'LIMIT = "3"'))  # a string that is data
+    assert adds_only_definitions(old, old.replace('"""Errors."""', '"""Errors, reworded."""'))
+    assert adds_only_definitions(old, old.replace("    return x + LIMIT", '    """Add."""\n    return x + LIMIT'))
+    assert adds_only_definitions(old.replace("    pass\n", '    """Base."""\n'), old)
+    assert not adds_only_definitions(old, old.replace("    return x + LIMIT", '    "Add."\n    return x - LIMIT'))
+    assert not adds_only_definitions(old, old.replace("LIMIT = 3", 'LIMIT = "3"'))  # a string that is data
 
 
 def test_stale_check_counts_only_the_code_a_record_ran():

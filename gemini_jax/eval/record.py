@@ -121,3 +121,57 @@ def write_record(results_dir: str, record: dict, markdown: str) -> dict[str, str
     with open(paths["md"], "w") as fh:
         fh.write(markdown if markdown.endswith("\n") else markdown + "\n")
     return paths
+
+
+def adds_only_definitions(old_src: str, new_src: str) -> bool:
+    """Whether `new_src` is `old_src` plus new top-level functions or classes (no decorators, names
+    the old module did not bind), every old statement kept as it was and in order: what ran then
+    runs the same now. Docstrings and comments do not count (`experiments/results.py --stale`)."""
+    import ast
+
+    try:
+        old, new = _without_docstrings(ast.parse(old_src)).body, _without_docstrings(ast.parse(new_src)).body
+    except SyntaxError:
+        return False
+    bound = {n.id for s in old for n in ast.walk(s) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    bound |= {s.name for s in old if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+    bound |= {(a.asname or a.name).split(".")[0] for s in old if isinstance(s, (ast.Import, ast.ImportFrom))
+              for a in s.names}
+    kept = iter(ast.dump(s) for s in old)
+    want = next(kept, None)
+    for stmt in new:
+        if ast.dump(stmt) == want:
+            want = next(kept, None)
+        elif not (isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                  and not stmt.decorator_list and stmt.name not in bound):
+            return False
+        else:
+            bound.add(stmt.name)
+    return want is None
+
+
+def _without_docstrings(tree):
+    """`tree` with the docstring of every module, class and function dropped (a body left empty
+    gets a `pass`), so two sources that differ only there dump alike."""
+    import ast
+
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
+                    and isinstance(first.value.value, str):
+                node.body = node.body[1:] or [ast.Pass()]
+    return tree
+
+
+def same_installs(old_toml: str, new_toml: str) -> bool:
+    """Whether two pyproject.toml texts install the same: the Python range, the dependencies and
+    every extra the old one had. Tool settings (pytest, ruff, import-linter), the version string
+    and a new extra change no measurement."""
+    import tomllib
+
+    old, new = tomllib.loads(old_toml).get("project", {}), tomllib.loads(new_toml).get("project", {})
+    if any(old.get(k) != new.get(k) for k in ("requires-python", "dependencies")):
+        return False
+    new_extras = new.get("optional-dependencies", {})
+    return all(new_extras.get(name) == deps for name, deps in old.get("optional-dependencies", {}).items())

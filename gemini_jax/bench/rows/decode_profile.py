@@ -170,3 +170,22 @@ def decode_profile(ctx: Context) -> RowResult:
            + f"\n\nBandwidth {ctx.bandwidth['reference_gbs']:.1f} GB/s ({ctx.bandwidth['reference']}), measured "
            "in this run.")
     return RowResult(records=recs, markdown=md)
+
+
+def summary_lines(rec: dict, link: str) -> list[str]:
+    """The table docs/results.md shows of a bench record holding this row (`link`: its BENCH.md)."""
+    recs = rec["rows"]["decode_profile"]["records"]
+    lines = [f"Where a batch-1 step's time goes (k = {recs[0]['k']}): the step at {recs[0]['short_context']} tokens "
+             "stands for the weights; its growth to the long context is attention, against the KV bytes it reads.", "",
+             "| context | step | bound | weights read at | attention: share, KV read at | attention loop by op kind |",
+             "|---|---|---|---|---|---|"]
+    for r in recs:
+        kinds = sorted(r["attention_kinds_us"].items(), key=lambda kv: -kv[1])
+        total = sum(v for _, v in kinds) or 1.0
+        att = "–" if r["attention_gbs"] is None else f"{r['attention_gbs']:.1f} GB/s"
+        lines.append(f"| {r['context']} | {r['step_seconds_plain'] * 1e3:.2f} ms | {r['bound_seconds'] * 1e3:.2f} ms | "
+                     f"{r['rest_gbs']:.1f} GB/s | {r['attention_share']:.0%}, {att} | "
+                     + ", ".join(f"`{k}` {v / total:.0%}" for k, v in kinds[:4]) + " |")
+    return lines + ["", f"From [BENCH.md]({link}), commit `{rec['commit'][:7]}`, seed "
+                    f"{rec['seeds'][0]}; bandwidth {rec['bandwidth']['reference_gbs']:.1f} GB/s measured in the same run.",
+                    ""]
