@@ -1,6 +1,7 @@
 """A/B of the benchmark rows between two commits on this machine: is the new code slower?
 
     python experiments/bench_ab.py --base 6da3a2a [--rows paged_vs_contiguous,tiers] [--rounds 3] [--full]
+    python experiments/bench_ab.py --base 6da3a2a --outputs   # greedy tokens and counters, not times
 
 The base commit is checked out into a temporary git worktree (removed afterwards). Each round
 runs `experiments/bench.py` once on each side, in separate processes, the order alternating
@@ -71,6 +72,8 @@ def main(argv=None) -> int:
     p.add_argument("--full", action="store_true", help="full sizes (default: bench.py --quick)")
     p.add_argument("--tolerance", type=float, default=0.05)
     p.add_argument("--name", default=None, help="result file name (default: <base>_<head>)")
+    p.add_argument("--outputs", action="store_true", help="compare greedy tokens and counters instead "
+                   "(gemini_jax/bench/same_outputs.py on each tree)")
     a = p.parse_args(argv)
     base, head = git("rev-parse", a.base), git("rev-parse", "HEAD")
     dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
@@ -84,6 +87,8 @@ def main(argv=None) -> int:
     git("worktree", "add", "--detach", base_tree, base)
     per_round: list[dict] = []
     try:
+        if a.outputs:
+            return same_outputs(a, (base, head, dirty), base_tree, work)
         for r in range(a.rounds):
             sides = [("old", base_tree), ("new", ROOT)]
             if r % 2:
@@ -133,6 +138,33 @@ def main(argv=None) -> int:
         fh.write("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
+
+
+def same_outputs(a, commits: tuple, base_tree: str, work: str) -> int:
+    from gemini_jax.bench.same_outputs import compare
+
+    (base, head, dirty), got = commits, {}
+    for side, tree in (("old", base_tree), ("new", ROOT)):
+        print(f"outputs: {side} ({tree})", flush=True)
+        out = os.path.join(work, f"{side}.json")
+        subprocess.run([sys.executable, os.path.join(ROOT, "gemini_jax", "bench", "same_outputs.py"), out], cwd=tree,
+                       env=dict(os.environ, PYTHONPATH=tree), check=True)
+        with open(out) as fh:
+            got[side] = json.load(fh)
+    rows, lines = compare(got["old"], got["new"])
+    name, new = a.name or f"{base[:7]}_{head[:7]}_outputs", head + ("+dirty" if dirty else "")
+    record = {"command": " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]), "commit": new,
+              "config": vars(a), "split": "heldout", "seeds": [got["new"]["seed"]], "base": base, "head": new,
+              "cases": rows, "all_same": all(r["same"] for r in rows)}
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, f"{name}.json"), "w") as fh:
+        json.dump(record, fh, indent=1)
+    lines = [f"# Same outputs: {new[:7]} (new) vs {base[:7]} (old)", "", f"`{record['command']}`: greedy tokens and "
+             f"integer counters of each engine, on held-out text, seed {record['seeds'][0]}.", "", *lines]
+    with open(os.path.join(RESULTS, f"{name}.md"), "w") as fh:
+        fh.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0 if record["all_same"] else 1
 
 
 if __name__ == "__main__":

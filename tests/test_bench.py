@@ -75,3 +75,26 @@ def test_decode_profile_splits_the_attention_loop_by_op_name():
     kinds = loop_body_times(events, {"while.12"})
     where = f"seed=5, durations {a, b, c}"
     assert kinds == pytest.approx({"copy_bitcast_fusion": a + c, "dot_general": b - 1.0, "dot": 1.0}), (kinds, where)
+
+
+def test_same_outputs_compare_finds_a_changed_token_or_counter():
+    """bench_ab.py --outputs: equal runs compare equal; a changed token, a changed counter and a
+    counter only one side counts are each named; timing-dependent counters are not compared."""
+    from gemini_jax.bench.same_outputs import compare
+
+    rng = np.random.default_rng(5)
+    toks = rng.integers(0, 256, size=(3, 8)).tolist()
+    case = {"tokens": toks, "counters": {"decode_steps": 24, "kv_bytes_read": int(rng.integers(1, 10**9))},
+            "timing_dependent": ["prefetch_hits"]}
+    old = {"cases": {"paged": case, "fused": case}}
+    rows, lines = compare(old, json.loads(json.dumps(old)))
+    assert all(r["same"] for r in rows) and len(lines) == 4, (rows, lines)
+    changed = json.loads(json.dumps(old))
+    changed["cases"]["paged"]["tokens"][1][3] ^= 1
+    changed["cases"]["fused"]["counters"].update(kv_bytes_read=case["counters"]["kv_bytes_read"] + 1, pages_selected=7)
+    rows, lines = compare(old, changed)
+    by = {r["case"]: r for r in rows}
+    assert not by["paged"]["tokens_equal"] and not by["paged"]["same"], rows
+    assert by["fused"]["tokens_equal"] and list(by["fused"]["counters_differing"]) == ["kv_bytes_read"], rows
+    assert by["fused"]["only_new"] == ["pages_selected"] and by["fused"]["timing_dependent"] == ["prefetch_hits"], rows
+    assert "✗ kv_bytes_read" in "\n".join(lines), lines

@@ -61,7 +61,8 @@ def _free_port() -> int:
 class Server:
     """`python -m gemini_jax.serve` in its own process on a free loopback port."""
 
-    def __init__(self, overrides: list, workdir: str, name: str):
+    def __init__(self, overrides: list, workdir: str, name: str, tree: str = ROOT):
+        """`tree`: the checkout whose server runs (its own `gemini_jax` and conf/ first on the path)."""
         import httpx
 
         self.port = _free_port()
@@ -70,7 +71,8 @@ class Server:
         cmd = [sys.executable, "-m", "gemini_jax.serve", *overrides, f"serve.port={self.port}",
                f"hydra.run.dir={os.path.join(workdir, name)}", "log_level=WARNING"]
         self.cmd = " ".join(cmd[1:])
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, cwd=tree, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=dict(os.environ, PYTHONPATH=tree))
         deadline = time.time() + 300
         while True:
             if self.proc.poll() is not None:
@@ -129,51 +131,80 @@ def decode_bytes(before: dict, after: dict, weight_bytes: int, decode_tokens: in
             "ceiling_tokens_per_s": bandwidth_gbs * 1e9 / per_token if per_token else None}
 
 
-def run_load(args, held, workdir, weight_bytes: int, bandwidth_gbs: float) -> tuple[list, dict]:
+def _round(server, held, args, rep: int, c: int, scale: tuple) -> dict:
+    """One timed round of `c` streams: latencies, and the bytes the server's counters say it read."""
     from gemini_jax.serve.load import run_streams, summarize
+
+    rng = np.random.default_rng([args.seed, 1, rep, c])
+    before = _scrape(server)
+    res = asyncio.run(run_streams(server.url, _prompts(held, rng, c, args.prompt), max_tokens=args.max_tokens,
+                                  model=MODEL_ID))
+    s = summarize(res)
+    s["lost"] = len([r for r in res if r.error or len(r.token_times) != args.max_tokens])
+    # Every output token after a stream's first comes from a decode step.
+    weight_bytes, bandwidth_gbs = scale
+    b = decode_bytes(before, _scrape(server), weight_bytes, sum(max(len(r.token_times) - 1, 0) for r in res),
+                     bandwidth_gbs)
+    s["bytes_per_token"], s["ceiling_tokens_per_s"] = b["bytes_per_token"], b["ceiling_tokens_per_s"]
+    s["of_ceiling"] = (s["decode_tokens_per_s"] / b["ceiling_tokens_per_s"]
+                       if s["decode_tokens_per_s"] and b["ceiling_tokens_per_s"] else None)
+    s["decode_counters"] = b
+    return s
+
+
+def run_load(args, held, workdir, weight_bytes: int, bandwidth_gbs: float, base_tree: str | None = None) -> tuple[list, dict]:
+    """Every attention mode's levels; with `base_tree`, that checkout's server beside this one's (mode
+    `<mode>@base`), both up at once and their rounds alternating, so drifting load lands on both."""
+    from gemini_jax.serve.load import run_streams
 
     levels = [int(x) for x in args.levels.split(",")]
     rows, commands = [], {}
     for mode, extra in MODES.items():
         overrides = [*extra, f"engine.max_seq_len={args.prompt + args.max_tokens}", f"engine.max_batch={max(levels)}",
                      "engine.prefill_chunk=512", f"serve.step_tokens={max(levels) * args.prompt}"]
-        server = Server(overrides, workdir, mode)
-        commands[mode] = server.cmd
+        sides = [(mode, ROOT)] + ([(f"{mode}@base", base_tree)] if base_tree else [])
+        servers = {}
         try:
-            rng = np.random.default_rng([args.seed, 0])
-            for c in levels:  # compile every shape a level meets, untimed
-                print(f"serve_load: {mode} warm-up, {c} streams", flush=True)
-                asyncio.run(run_streams(server.url, _prompts(held, rng, c, args.prompt), max_tokens=4, model=MODEL_ID))
-            rounds = {c: [] for c in levels}
+            for name, tree in sides:
+                servers[name] = Server(overrides, workdir, name.replace("@", "_"), tree)
+                commands[name] = servers[name].cmd
+                rng = np.random.default_rng([args.seed, 0])
+                for c in levels:  # compile every shape a level meets, untimed
+                    print(f"serve_load: {name} warm-up, {c} streams", flush=True)
+                    asyncio.run(run_streams(servers[name].url, _prompts(held, rng, c, args.prompt), max_tokens=4,
+                                            model=MODEL_ID))
+            rounds = {(name, c): [] for name, _ in sides for c in levels}
             for rep in range(args.repeats):
                 for c in levels:
-                    rng = np.random.default_rng([args.seed, 1, rep, c])
-                    t0 = time.time()
-                    before = _scrape(server)
-                    res = asyncio.run(run_streams(server.url, _prompts(held, rng, c, args.prompt),
-                                                  max_tokens=args.max_tokens, model=MODEL_ID))
-                    s = summarize(res)
-                    lost = [r for r in res if r.error or len(r.token_times) != args.max_tokens]
-                    s["lost"] = len(lost)
-                    # Every output token after a stream's first comes from a decode step.
-                    b = decode_bytes(before, _scrape(server), weight_bytes,
-                                     sum(max(len(r.token_times) - 1, 0) for r in res), bandwidth_gbs)
-                    s["bytes_per_token"], s["ceiling_tokens_per_s"] = b["bytes_per_token"], b["ceiling_tokens_per_s"]
-                    s["of_ceiling"] = (s["decode_tokens_per_s"] / b["ceiling_tokens_per_s"]
-                                       if s["decode_tokens_per_s"] and b["ceiling_tokens_per_s"] else None)
-                    s["decode_counters"] = b
-                    rounds[c].append(s)
-                    print(f"serve_load: {mode} round {rep} {c:>3} streams: {time.time() - t0:.1f} s, "
-                          f"decode {s['decode_tokens_per_s'] or 0:.1f} tok/s ({s['of_ceiling'] or 0:.0%} of the "
-                          f"bandwidth ceiling), tpot p99 {s['tpot_p99'] or 0:.3f} s, lost {len(lost)}", flush=True)
-            for c in levels:
-                counts = ("streams", "failed", "output_tokens", "lost", "decode_counters")
-                med = {k: _median([r[k] for r in rounds[c]]) for k in rounds[c][0] if k not in counts}
-                rows.append({"mode": mode, "streams": c, **med, "failed": sum(r["failed"] for r in rounds[c]),
-                             "lost": sum(r["lost"] for r in rounds[c]), "rounds": rounds[c]})
+                    for name, _ in (sides if rep % 2 == 0 else sides[::-1]):
+                        t0 = time.time()
+                        s = _round(servers[name], held, args, rep, c, (weight_bytes, bandwidth_gbs))
+                        rounds[name, c].append(s)
+                        print(f"serve_load: {name} round {rep} {c:>3} streams: {time.time() - t0:.1f} s, decode "
+                              f"{s['decode_tokens_per_s'] or 0:.1f} tok/s ({s['of_ceiling'] or 0:.0%} of the bandwidth "
+                              f"ceiling), tpot p99 {s['tpot_p99'] or 0:.3f} s, lost {s['lost']}", flush=True)
+            for name, _ in sides:
+                for c in levels:
+                    got = rounds[name, c]
+                    counts = ("streams", "failed", "output_tokens", "lost", "decode_counters")
+                    med = {k: _median([r[k] for r in got]) for k in got[0] if k not in counts}
+                    rows.append({"mode": name, "streams": c, **med, "failed": sum(r["failed"] for r in got),
+                                 "lost": sum(r["lost"] for r in got), "rounds": got})
         finally:
-            server.close()
+            for server in servers.values():
+                server.close()
     return rows, commands
+
+
+def _worktree(commit: str, path: str) -> str:
+    subprocess.run(["git", "worktree", "add", "--detach", path, commit], cwd=ROOT, check=True, capture_output=True)
+    return path
+
+
+def _rev(commit: str | None) -> str | None:
+    if commit is None:
+        return None
+    return subprocess.run(["git", "rev-parse", commit], cwd=ROOT, check=True, capture_output=True, text=True).stdout.strip()
 
 
 def _median(values):
@@ -302,6 +333,9 @@ def main(argv=None) -> None:
     ap.add_argument("--skip-flood", action="store_true")
     ap.add_argument("--bw-mib", type=int, default=512, help="array size of the bandwidth measurement")
     ap.add_argument("--out", default=os.path.join("experiments", "results"))
+    ap.add_argument("--baseline", default=None, metavar="COMMIT",
+                    help="also serve that commit's server (a temporary git worktree), rounds alternating with this "
+                         "checkout's: modes '<mode>@base', and the new / base decode tokens/s per level")
     a = ap.parse_args(argv)
     from gemini_jax.data import corpus
     from gemini_jax.eval.record import StudyResult, make_record, write_record
@@ -317,7 +351,12 @@ def main(argv=None) -> None:
     print(f"serve_load: memory bandwidth {bandwidth['reference_gbs']} GB/s ({bandwidth['reference']}), "
           f"weights {weight_bytes / 2**20:.1f} MiB per decode step", flush=True)
     with tempfile.TemporaryDirectory(prefix="gj_serve_load_") as work:
-        rows, commands = run_load(a, held, work, weight_bytes, bandwidth["reference_gbs"])
+        base = _worktree(a.baseline, os.path.join(work, "base")) if a.baseline else None
+        try:
+            rows, commands = run_load(a, held, work, weight_bytes, bandwidth["reference_gbs"], base)
+        finally:
+            if base:
+                subprocess.run(["git", "worktree", "remove", "--force", base], cwd=ROOT, check=True)
         flood, flood_cmd = (None, None) if a.skip_flood else run_flood(a, held, work)
     by = {(r["mode"], r["streams"]): r for r in rows}
     summary = {}
@@ -333,10 +372,17 @@ def main(argv=None) -> None:
     if "dense_tpot_p99_growth_4_to_64" in summary and "sparse_tpot_p99_growth_4_to_64" in summary:
         summary["sparse_grows_less_met"] = (summary["sparse_tpot_p99_growth_4_to_64"]
                                             < summary["dense_tpot_p99_growth_4_to_64"])
+    for (mode, c), r in by.items():  # this checkout's server against the baseline's, level by level
+        old = by.get((f"{mode}@base", c))
+        if old and r["decode_tokens_per_s"] and old["decode_tokens_per_s"]:
+            summary[f"{mode}_{c}_decode_new_over_base"] = r["decode_tokens_per_s"] / old["decode_tokens_per_s"]
+            summary[f"{mode}_{c}_decode_new_over_base_per_round"] = [
+                n["decode_tokens_per_s"] / o["decode_tokens_per_s"] for n, o in zip(r["rounds"], old["rounds"])
+                if n["decode_tokens_per_s"] and o["decode_tokens_per_s"]]
     summary["lost"] = sum(r["lost"] for r in rows) + (flood["lost"] if flood else 0)
     cmd = " ".join(["python experiments/serve_load.py", *(sys.argv[1:] if argv is None else argv)])
     config = {"levels": a.levels, "prompt_tokens": a.prompt, "max_tokens": a.max_tokens, "repeats": a.repeats,
-              "model": "shipped tiny", "server_commands": commands, "bandwidth": bandwidth,
+              "model": "shipped tiny", "server_commands": commands, "baseline": _rev(a.baseline), "bandwidth": bandwidth,
               "weight_bytes_per_decode_step": weight_bytes, "flood_command": flood_cmd,
               "flood": {"a_streams": a.flood_a, "b_requests": a.flood_b, "rounds": a.flood_rounds,
                         "prompt_tokens": a.flood_prompt,
@@ -402,6 +448,12 @@ def markdown(rec: dict) -> str:
             lines.append(f"  - {len(fl['rounds'])} rounds, each B alone ({cfg['flood']['b_requests']} requests) then "
                          f"under a fresh tenant A's flood ({cfg['flood']['b_requests']}), pooled for the p99 above; "
                          f"each round's own p99 ratio: {per}.")
+    for key, x in s.items():
+        if key.endswith("_decode_new_over_base"):
+            mode, c = key.split("_")[:2]
+            per = ", ".join(f"{v:.2f}×" for v in s[key + "_per_round"])
+            lines.append(f"- {mode}, {c} streams: decode tokens/s of this server over commit "
+                         f"`{cfg['baseline'][:7]}`'s, side by side in this run: **{x:.2f}×** (medians; rounds {per}).")
     lines.append(f"- Streams that lost tokens or failed: {s['lost']} (goal 0 {mark(s['lost'] == 0)}).")
     if cfg.get("bandwidth"):
         lines.append(f"- Bandwidth ceiling: the decode tokens/s if every decode step read its bytes (the server's "
