@@ -250,6 +250,37 @@ def test_each_call_is_planned_then_run_as_planned(k):
     assert time.perf_counter() - t0 < 10.0, (seed, "no waits: a fake engine runs this in ~0.05 s")
 
 
+def test_a_k_step_call_that_does_not_fit_takes_one_token_a_row_instead_of_preempting():
+    """Three requests fill the pool's three pages, each with room for 2 more tokens in its page:
+    one token a row fits, 4 a row would need 3 new pages. The decode call takes one token a row and
+    preempts nobody; later calls preempt only when one token a row does not fit either."""
+    t0, seed = time.perf_counter(), 23
+    rng = np.random.default_rng(seed)
+    eng = FakeEngine(num_pages=1 + 3, max_batch=4, steps_per_call=4)
+    sched = Scheduler(eng, ServeConfig(step_tokens=64))
+    made = [_request(f"r{i}", rng, 6, 6, priority=i) for i in range(3)]
+    reqs, prompts = zip(*made)
+    for r in reqs:
+        sched.submit(r)
+    plans, run = [], sched.executor.run
+
+    def run_logged(plan):
+        if plan.decode is not None:
+            rows = plan.decode.rows
+            plans.append((plan, sched._pages_for(list(rows), 4), sched._pages_for(list(rows), 1),
+                          eng.sequences.free_pages))
+        return run(plan)
+
+    sched.executor.run = run_logged
+    sched.run_until_idle()
+    first, need4, need1, free = plans[0]
+    assert len(first.decode.rows) == 3 and need4 > free >= need1, (seed, need4, need1, free)
+    assert first.decode.steps == 1 and not first.preempted, (seed, first.decode.steps, first.preempted)
+    assert any(p.decode.steps > 1 for p, *_ in plans), (seed, "k-step calls once the pool has room")
+    _exact(reqs, prompts, seed)
+    assert time.perf_counter() - t0 < 10.0, (seed, "no waits: a fake engine runs this in ~0.05 s")
+
+
 def test_a_tenant_below_its_share_takes_a_slot():
     """Tenant A fills the batch; tenant B's request preempts A's worst at once (its fair share is
     max_batch / 2), rather than waiting for A's requests to finish."""

@@ -281,12 +281,21 @@ class Scheduler:
         if not rows:
             return None
         n = self._steps_for(rows)
+        if n > 1 and self._pages_for(rows, n) > self.seqs.free_pages:
+            # k tokens a row do not fit the pool: one token a row, then. A k-step call saves
+            # dispatches; a preemption costs a swap or a recompute (k = 4 with every row taking its
+            # pages ahead preempted 47 times where one token a row preempted 7: bench_ab --outputs).
+            n = 1
         self._allocate_rows(rows, n)
         if not rows:
             return None
         if n > 1:
             n = min(n, self._steps_for(rows))  # the rows left may end sooner
         return StepPlan(decode=DecodeWork(tuple(rows), n), preempted=tuple(self._preempted))
+
+    def _pages_for(self, rows: list, n: int) -> int:
+        """New pages the rows need for their next `n` tokens each."""
+        return sum(self.seqs.pages_to_write(r.seq_id, self.seqs.num_tokens(r.seq_id) + n) for r in rows)
 
     def update(self, plan: StepPlan, out: StepOutput) -> None:
         """Apply what a planned call returned: count it, then sample / send / finish its rows."""
