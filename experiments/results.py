@@ -132,7 +132,10 @@ SUBSETS: dict[str, list[Job]] = {
     # Persistent prefixes across processes: time to first token of a 32K prompt, cold vs loaded.
     "prefix": [Job("persistent_prefix/persistent_prefix", (), 4, script="persistent_prefix.py")],
     # Serving over loopback HTTP: 1 / 4 / 16 / 64 streams of 4K prompts, dense vs sparse, a tenant flood.
-    "serve": [Job("serve_load/serve_load", (), 25, script="serve_load.py")],
+    "serve": [Job("serve_load/serve_load", (), 25, script="serve_load.py"),
+              # 16 streams against the server before one decode core (19ca6da: one token a decode call).
+              Job("serve_load/serve_ab", ("--levels", "16", "--skip-flood", "--baseline", "19ca6da"), 30,
+                  script="serve_load.py")],
     # k tokens per device program against transformers and the bandwidth bound (bench rows).
     # Code as syntax: the node encoder trained and measured on held-out programs and real files.
     "code": [Job("code/node_distances", (), 2, script="train_code_encoder.py")],

@@ -27,7 +27,8 @@ beside the median of the per-round p90 ratios. The goal is judged on that interv
 8 requests make a p99 that is nearly their slowest, and it moved between 1.3x and 3.1x from round
 to round. Each tenant sends on one HTTP client it keeps open. Nothing may be lost:
 every accepted stream ends with all its tokens.
-Writes experiments/results/serve_load/serve_load.{json,md}.
+Writes experiments/results/serve_load/serve_load.{json,md} (serve_ab.{json,md} with `--baseline COMMIT`:
+that commit's server beside this one's, rounds alternating, and new / base decode tokens/s per level).
 """
 
 from __future__ import annotations
@@ -387,7 +388,7 @@ def main(argv=None) -> None:
               "flood": {"a_streams": a.flood_a, "b_requests": a.flood_b, "rounds": a.flood_rounds,
                         "prompt_tokens": a.flood_prompt,
                         "max_tokens": a.flood_tokens}}
-    rec = make_record("serve_load", StudyResult(name="serve_load", records=rows, split=None, seeds=[a.seed],
+    rec = make_record("serve_load", StudyResult(name="serve_ab" if a.baseline else "serve_load", records=rows, split=None, seeds=[a.seed],
                                                 extra={"summary": summary, "flood": flood}),
                       command=cmd, config=config)
     md = markdown(rec)
