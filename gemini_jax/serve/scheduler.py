@@ -283,8 +283,7 @@ class Scheduler:
         n = self._steps_for(rows)
         if n > 1 and self._pages_for(rows, n) > self.seqs.free_pages:
             # k tokens a row do not fit the pool: one token a row, then. A k-step call saves
-            # dispatches; a preemption costs a swap or a recompute (k = 4 with every row taking its
-            # pages ahead preempted 47 times where one token a row preempted 7: bench_ab --outputs).
+            # dispatches; a preemption costs a swap or a recompute.
             n = 1
         self._allocate_rows(rows, n)
         if not rows:
