@@ -281,6 +281,38 @@ def test_a_k_step_call_that_does_not_fit_takes_one_token_a_row_instead_of_preemp
     assert time.perf_counter() - t0 < 10.0, (seed, "no waits: a fake engine runs this in ~0.05 s")
 
 
+def test_decode_takes_one_token_a_call_while_a_request_waits_or_prefills():
+    """A k-step decode call runs before the step's prefill, so it would hold a new request's first
+    token back k steps: while any request waits or prefills, decode calls take one token a row;
+    once every request decodes, k."""
+    t0, seed = time.perf_counter(), 29
+    rng = np.random.default_rng(seed)
+    eng = FakeEngine(num_pages=1 + 64, max_batch=4, steps_per_call=4)
+    sched = Scheduler(eng, ServeConfig(step_tokens=20))  # a 40-token prompt prefills over 3 steps
+    made = [_request(f"r{i}", rng, 40, 16) for i in range(3)]
+    reqs, prompts = zip(*made)
+    seen, run = [], sched.executor.run
+
+    def run_logged(plan):
+        if plan.decode is not None:
+            busy = bool(sched.waiting) or any(r.phase is Phase.PREFILL for r in sched.live)
+            seen.append((busy, plan.decode.steps))
+        return run(plan)
+
+    sched.executor.run = run_logged
+    sched.submit(reqs[0])
+    for _ in range(3):
+        sched.step()
+    for r in reqs[1:]:  # they arrive while r0 decodes
+        sched.submit(r)
+    sched.run_until_idle()
+    assert any(busy for busy, _ in seen), (seed, "the test meant decode calls during prefill")
+    assert all(steps == 1 for busy, steps in seen if busy), (seed, seen)
+    assert any(steps > 1 for busy, steps in seen if not busy), (seed, seen)
+    _exact(reqs, prompts, seed)
+    assert time.perf_counter() - t0 < 10.0, (seed, "no waits: a fake engine runs this in ~0.05 s")
+
+
 def test_a_tenant_below_its_share_takes_a_slot():
     """Tenant A fills the batch; tenant B's request preempts A's worst at once (its fair share is
     max_batch / 2), rather than waiting for A's requests to finish."""

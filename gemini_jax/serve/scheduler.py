@@ -327,10 +327,13 @@ class Scheduler:
         one k-step program (`runtime.multistep`) when the runner has one, every row samples with
         the same parameters (one program per setting), no row is to be interrupted (an interrupt
         keeps the logits after the last token written, which only the one-token call returns),
-        and no further than the row closest to its `max_new_tokens`. Else 1."""
+        no request is waiting or prefilling (its prefill runs after this call: a k-step call
+        would hold its first token back k steps), and no further than the row closest to its
+        `max_new_tokens`. Else 1."""
         k = self.engine.config.decode_steps_per_call
         if k <= 1 or not self.executor.multistep or len({r.params for r in rows}) > 1 \
-                or any(r.interrupt_requested for r in rows):
+                or any(r.interrupt_requested for r in rows) or self.waiting \
+                or any(r.phase is Phase.PREFILL for r in self.live):
             return 1
         return max(1, min(k, *(r.params.max_new_tokens - r.new_tokens for r in rows)))
 
