@@ -154,7 +154,7 @@ def same_outputs(a, commits: tuple, base_tree: str, work: str) -> int:
     rows, lines = compare(got["old"], got["new"])
     name, new = a.name or f"{base[:7]}_{head[:7]}_outputs", head + ("+dirty" if dirty else "")
     record = {"command": " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]), "commit": new,
-              "config": vars(a), "split": "heldout", "seeds": [got["new"]["seed"]], "base": base, "head": new,
+              "config": {**vars(a), "text": "heldout"}, "split": None, "seeds": [got["new"]["seed"]], "base": base, "head": new,
               "cases": rows, "all_same": all(r["same"] for r in rows)}
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, f"{name}.json"), "w") as fh:
