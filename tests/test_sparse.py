@@ -519,16 +519,18 @@ def test_bad_rerank_config(extra, match):
         gj.config.from_dict(gj.EngineConfig, dict(max_seq_len=1024, max_batch=1, **extra))
 
 
-@pytest.mark.parametrize("seed", [3, 4])
-def test_unroped_exact_scores_split_into_slot_and_page_rotations_equal_per_key_unrope(seed):
-    """exact_page_scores with the rope's inv_freq (numpy) turns keys by their slot and queries by
-    their page; with the same frequencies as a jax array it un-ropes each key by its position.
-    Both are R(-(pS + s)): they differ by rounding only (a few rotations and a D-term dot)."""
+@pytest.mark.parametrize("seed,m", [(3, 1), (4, 1), (5, 8)])
+def test_unroped_exact_scores_split_into_slot_and_page_rotations_equal_per_key_unrope(seed, m):
+    """exact_page_scores with the rope's inv_freq (numpy) turns keys by their slot, then by their
+    page either the few queries (m = 1, a decode step) or, when the queries outnumber a page's
+    keys (m = 8 of a group of 4 > 16 slots, a prefill chunk), the keys; with the same frequencies
+    as a jax array it un-ropes each key by its position. All are R(-(pS + s)): they differ by
+    rounding only (a few rotations and a D-term dot)."""
     from gemini_jax.attention.select import exact_page_scores
     from gemini_jax.model import layers as L
 
     rng = np.random.default_rng(seed)
-    B, K, G, D, S, W, P, m, n = 2, 2, 4, 64, 16, 40, 90, 1, 12
+    B, K, G, D, S, W, P, n = 2, 2, 4, 64, 16, 40, 90, 12
     inv = L.inv_frequencies(gj.RopeConfig(theta=100000.0), D)
     q = jnp.asarray(rng.normal(size=(B, m, K * G, D)).astype(np.float32))
     pool = jnp.asarray(rng.normal(size=(K, P, S, D)).astype(np.float32))
@@ -540,4 +542,4 @@ def test_unroped_exact_scores_split_into_slot_and_page_rotations_equal_per_key_u
     per_key = exact_page_scores(q, pool, tables, lengths, pages, group_reduce="max", unrope=jnp.asarray(inv))
     ref = np.asarray(per_key)
     tol = float_tolerance(depth=3, magnitude=float(np.abs(ref).max()), terms=D)  # 2 rotations, then q.k
-    assert np.abs(np.asarray(split) - ref).max() <= tol, f"seed={seed}: {np.abs(np.asarray(split) - ref).max()} > {tol}"
+    assert np.abs(np.asarray(split) - ref).max() <= tol, f"seed={seed} m={m}: {np.abs(np.asarray(split) - ref).max()} > {tol}"

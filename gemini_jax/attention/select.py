@@ -150,9 +150,17 @@ def exact_page_scores(q, k_layer, block_tables, lengths, pages, *, group_reduce:
         ang = np.arange(S, dtype=np.float64)[:, None] * unrope.astype(np.float64)[None, :]
         ang = np.concatenate([ang, ang], axis=-1)  # [S, D], the half-rotation layout
         kk = rotate(kk, jnp.asarray(np.cos(ang), jnp.float32), jnp.asarray(-np.sin(ang), jnp.float32))
-        cos, sin = rope_angles(logical * S, unrope)  # [B, K, n, D]
-        qp = rotate(jnp.moveaxis(qg, 1, 3)[:, :, :, :, None], cos[:, :, None, None], sin[:, :, None, None])
-        s = jnp.einsum("bkgtnd,bknsd->bkgtns", qp, kk, preferred_element_type=jnp.float32)
+        if m * (H // K) <= S:
+            # Few queries (a decode step): turn them per page, [B, K, G, m, n, D] is the smaller side.
+            cos, sin = rope_angles(logical * S, unrope)  # [B, K, n, D]
+            qp = rotate(jnp.moveaxis(qg, 1, 3)[:, :, :, :, None], cos[:, :, None, None], sin[:, :, None, None])
+            s = jnp.einsum("bkgtnd,bknsd->bkgtns", qp, kk, preferred_element_type=jnp.float32)
+        else:
+            # A prefill chunk's scoring queries outnumber a page's keys: turn the keys by their
+            # page's angle instead (one cos / sin per page, broadcast over its slots).
+            cos, sin = rope_angles(-logical * S, unrope)  # [B, K, n, D]
+            kk = rotate(kk, cos[:, :, :, None], sin[:, :, :, None])
+            s = jnp.einsum("btkgd,bknsd->bkgtns", qg, kk, preferred_element_type=jnp.float32)
     else:
         if unrope is not None:
             cos, sin = rope_angles(-k_pos, unrope)
