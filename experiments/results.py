@@ -102,6 +102,9 @@ SUBSETS: dict[str, list[Job]] = {
                     # Budgets 512 and 2048 (2048 covers the whole context at 1K and 2K: only 4K and 8,000).
                     ("quest512", ("sparse=quest", "engine.sparse.budget=512"), "[1024,2048,4096,8000]", 35),
                     ("quest2048", ("sparse=quest", "engine.sparse.budget=2048"), "[4096,8000]", 25),
+                    # Mean digests (chosen on dev trials: needle_diagnose) where minmax fails, at the same budget.
+                    ("quest1024_mean", ("sparse=quest", "engine.sparse.budget=1024", "engine.sparse.digest=mean"),
+                     "[4096,8000]", 25),
                     ("int8_dense", ("sparse=off", "engine.cache.dtype=int8"), "[1024,2048,4096]", 15))]
     # Bits per byte on held-out text (windows of 2048 tokens, the last 256 scored), float32 KV and the two
     # quantized ones on the same windows: paired per window by results_tables.smollm2_bpb_block.

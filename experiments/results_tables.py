@@ -138,7 +138,8 @@ def smollm2_needle_block(results_dir: str) -> str:
     """SmolLM2-135M-Instruct: dense vs sparse at budgets 512 / 1024 / 2048 tokens and int8 KV vs
     float32, on the same test trials (chat prompts); below, the quantized-KV decisions on 300 pairs."""
     columns = {"dense": "dense", "quest512": "sparse, budget 512", "quest1024": "sparse, budget 1024",
-               "quest2048": "sparse, budget 2048", "int8_dense": "int8 KV, dense"}
+               "quest2048": "sparse, budget 2048", "quest1024_mean": "sparse 1024, mean digests",
+               "int8_dense": "int8 KV, dense"}
     recs = {name: _load(results_dir, f"needle/smollm2_{name}_test") for name in columns}
     if not any(recs.values()):
         return _missing("smollm2")
