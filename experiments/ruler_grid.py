@@ -8,7 +8,7 @@ split and seed, whatever engine reads it) through an engine built from the main 
 mode's overrides (conf/ruler_grid.yaml), and scores the greedy answer by exact match. A cell records
 its hits with a 95% Wilson interval, the mean recall, and the KV bytes one sequence read per generated
 token (digests beside). Writes {results_dir}/ruler/{out_name}.{json,md} (calibrate=true:
-ruler/calibration.{json,md}, which the grid reads its top_p from when top_p is null).
+ruler/{calibration_name}.{json,md}, which the grid reads its top_p from when top_p is null).
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from gemini_jax.eval.trials import Draw
 from gemini_jax.config import EngineConfig
 from gemini_jax.data import corpus
 from gemini_jax.hydra_schema import build, one_line_errors
-from gemini_jax.eval.ruler_grid import calibration_markdown, choose_top_p, grid_markdown, summary
+from gemini_jax.eval.ruler_grid import (calibration_markdown, calibration_name, choose_top_p, grid_markdown, summary,
+                                        tasks_of)
 from run import ROOT, emulate_hardware  # this script's directory is on sys.path
-
 
 
 def in_checkout(path: str) -> str:
@@ -45,7 +45,8 @@ def in_checkout(path: str) -> str:
 
 def check(cfg: DictConfig) -> None:
     """ConfigError for a grid that cannot run, before any model loads."""
-    unknown = [t for t in cfg.tasks if t not in suite.TASKS]
+    named = [*cfg.tasks, *tasks_of(cfg), *(t for m in cfg.modes.values() for t in tasks_of(cfg, m))]
+    unknown = sorted({t for t in named if t not in suite.TASKS})
     if unknown:
         raise ConfigError(f"tasks {unknown} are not RULER-style tasks; choose from {list(suite.TASKS)}.")
     for name, mode in cfg.modes.items():
@@ -92,7 +93,7 @@ def engine_for(mode_overrides: list[str], longest: int, model, batch: int):
 
 
 def run_cells(cfg, named: tuple, mode: str, overrides: list[str], lengths: list[int], draw: Draw,
-              trials: int, bar, journal: CellJournal) -> tuple[list[dict], list[dict]]:
+              trials: int, bar, journal: CellJournal, tasks: list[str]) -> tuple[list[dict], list[dict]]:
     """(cells, trial records) of one (model, mode) over every task and length. `named` = (name,
     model, chat tokenizer or None). A cell the journal holds (an earlier, interrupted run of the same
     grid) is taken from it; each cell measured here is added to it as soon as it is done."""
@@ -101,7 +102,7 @@ def run_cells(cfg, named: tuple, mode: str, overrides: list[str], lengths: list[
     eng = None  # built for the first cell the journal lacks
     cells, records = [], []
     try:
-        for task in cfg.tasks:
+        for task in tasks:
             for i, L in enumerate(lengths):
                 key = (model_name, mode, " ".join(overrides), task, L)
                 done = journal.get(key)
@@ -176,7 +177,7 @@ def modes_of(cfg, top_p: float | None) -> dict[str, dict]:
             over.append(f"engine.sparse.top_p={top_p}")
         lengths = [int(x) for x in mode.lengths if cap is None or int(x) <= int(cap)]
         if lengths:
-            out[name] = {"models": list(mode.models), "lengths": lengths, "overrides": over}
+            out[name] = {"models": list(mode.models), "lengths": lengths, "overrides": over, "tasks": tasks_of(cfg, mode)}
     return out
 
 
@@ -190,15 +191,16 @@ def calibrate(cfg, journal: CellJournal) -> dict:
     model, tok, _ = load_model(str(cfg.models[model_name]))
     runs = [("fixed", None, list(cfg.modes.fixed.overrides))]
     runs += [("topp", float(p), [*cfg.modes.topp.overrides, f"engine.sparse.top_p={float(p)}"]) for p in cfg.top_p_grid]
-    bar = tqdm(total=len(runs) * len(cfg.tasks) * len(lengths) * trials, desc="calibrate top_p", unit="trial")
+    tasks = tasks_of(cfg)
+    bar = tqdm(total=len(runs) * len(tasks) * len(lengths) * trials, desc="calibrate top_p", unit="trial")
     rows = []
     for mode, p, over in runs:
-        cells, _ = run_cells(cfg, (model_name, model, tok), mode, over, lengths, draw, trials, bar, journal)
+        cells, _ = run_cells(cfg, (model_name, model, tok), mode, over, lengths, draw, trials, bar, journal, tasks)
         rows.append({"mode": mode, "top_p": p, "kv_bytes_per_token": float(np.mean([c["kv_bytes_per_token"] for c in cells])),
                      "accuracy": float(np.mean([c["accuracy"] for c in cells]))})
     bar.close()
     return {"rows": rows, "fixed_kv_bytes_per_token": rows[0]["kv_bytes_per_token"], "top_p": choose_top_p(rows),
-            "model": model_name, "lengths": lengths, "trials_per_cell": trials}
+            "model": model_name, "lengths": lengths, "trials_per_cell": trials, "tasks": tasks}
 
 
 def calibrated_top_p(cfg) -> tuple[float, str]:
@@ -207,7 +209,7 @@ def calibrated_top_p(cfg) -> tuple[float, str]:
         return None, "not used: the grid runs no top-p mode"
     if cfg.top_p is not None:
         return float(cfg.top_p), "set on the command line"
-    path = os.path.join(in_checkout(cfg.results_dir), "ruler", "calibration.json")
+    path = os.path.join(in_checkout(cfg.results_dir), "ruler", f"{calibration_name(cfg)}.json")
     if not os.path.exists(path):
         raise ConfigError(f"top_p is null and {path} does not exist: run `python experiments/ruler_grid.py "
                           f"calibrate=true` (dev trials) or give top_p=...")
@@ -231,9 +233,9 @@ def main(cfg: DictConfig) -> None:
     config.pop("hydra", None)
     results = in_checkout(str(cfg.results_dir))
     if cfg.calibrate:
-        journal = open_journal(cfg, results, "calibration", None)
+        journal = open_journal(cfg, results, calibration_name(cfg), None)
         out = calibrate(cfg, journal)
-        rec = make_record("ruler", StudyResult(name="calibration", records=out.pop("rows"), split="dev",
+        rec = make_record("ruler", StudyResult(name=calibration_name(cfg), records=out.pop("rows"), split="dev",
                                                seeds=[int(cfg.seed)], extra={"outcome": out,
                                                                              "journal": journal_note(journal)}),
                           command=command, config=config)
@@ -246,7 +248,7 @@ def main(cfg: DictConfig) -> None:
     modes = modes_of(cfg, top_p)
     draw = Draw(str(cfg.split), int(cfg.seed))
     trials = int(cfg.trials)
-    total = sum(len(m["models"]) * len(m["lengths"]) for m in modes.values()) * len(cfg.tasks) * trials
+    total = sum(len(m["models"]) * len(m["lengths"]) * len(m["tasks"]) for m in modes.values()) * trials
     journal = open_journal(cfg, results, str(cfg.out_name), top_p)
     bar = tqdm(total=total, desc="ruler grid", unit="trial")
     cells, records, models = [], [], {}
@@ -257,7 +259,7 @@ def main(cfg: DictConfig) -> None:
         model, tok, models[model_name] = load_model(str(cfg.models[model_name]))
         for name, m in runs:
             c, r = run_cells(cfg, (model_name, model, tok), name, m["overrides"], m["lengths"], draw, trials, bar,
-                             journal)
+                             journal, m["tasks"])
             cells += c
             records += r
     bar.close()
@@ -270,8 +272,6 @@ def main(cfg: DictConfig) -> None:
     journal.close()
     print(md, end="")
     print(f"written {paths['md']}")
-
-
 
 
 if __name__ == "__main__":

@@ -71,6 +71,34 @@ def test_grid_reads_top_p_from_a_matching_calibration_only(tmp_path):
         rg.calibrated_top_p(grid_cfg(results_dir=str(tmp_path), fixed_budget=128))
 
 
+def test_a_mode_and_the_calibration_may_name_their_own_tasks_and_record(tmp_path):
+    """conf/ruler_grid_smollm2_methods.yaml: top-p and compact + rerank on two tasks only, top_p read
+    from its own calibration record; a task no suite has is refused wherever it is named."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base=None):
+        cfg = compose("ruler_grid_smollm2_methods", overrides=[f"results_dir={tmp_path}"])
+    rg.check(cfg)
+    assert rg.tasks_of(cfg) == ["niah_single", "niah_multikey"] and len(cfg.tasks) == 7
+    with pytest.raises(ConfigError, match="calibration_smollm2.json"):
+        rg.calibrated_top_p(cfg)
+    os.makedirs(tmp_path / "ruler")
+    rec = {"config": {"fixed_budget": 256, "topp_max_budget": 512, "topp_min_budget": 64}, "outcome": {"top_p": 0.7}}
+    (tmp_path / "ruler" / "calibration.json").write_text(json.dumps({**rec, "outcome": {"top_p": 0.9}}))
+    (tmp_path / "ruler" / "calibration_smollm2.json").write_text(json.dumps(rec))
+    top_p, _ = rg.calibrated_top_p(cfg)
+    assert top_p == 0.7  # its own record, not the shipped model's
+    modes = rg.modes_of(cfg, top_p)
+    assert sorted(modes) == ["compact_rerank", "topp"]
+    assert all(m["tasks"] == ["niah_single", "niah_multikey"] for m in modes.values())
+    assert rg.modes_of(grid_cfg(top_p=0.9), 0.9)["dense"]["tasks"] == list(grid_cfg().tasks)  # no own list: the grid's
+    for key in ("modes.topp.tasks", "calibration_tasks"):
+        bad = cfg.copy()
+        OmegaConf.update(bad, key, ["niah_single", "needle_soup"], merge=False)
+        with pytest.raises(ConfigError, match="needle_soup"):
+            rg.check(bad)
+
+
 def _cell(model, mode, task, length, hits, trials=10, kv=1024.0, recall=None):
     return {"model": model, "mode": mode, "task": task, "length": length, "hits": hits, "trials": trials,
             "accuracy": hits / trials, "ci95": [0.0, 1.0], "recall": hits / trials if recall is None else recall,

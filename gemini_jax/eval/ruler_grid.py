@@ -82,6 +82,18 @@ def resumed_note(rec: dict) -> str:
     return f" Continued after an interruption: {j['resumed_cells']} cell(s) from the earlier run; cells per commit: {at}."
 
 
+def tasks_of(cfg, part=None) -> list[str]:
+    """The tasks a mode (`part`: its config) or the calibration (`part`: None) runs: its own `tasks`
+    or `calibration_tasks` where the config names them, else the grid's."""
+    own = cfg.get("calibration_tasks") if part is None else part.get("tasks")
+    return list(own or cfg.tasks)
+
+
+def calibration_name(cfg) -> str:
+    """The calibration record's name under ruler/ (one per model the top-p mode runs)."""
+    return str(cfg.get("calibration_name") or "calibration")
+
+
 def grid_markdown(rec: dict) -> str:
     cells = rec["cells"]
     cols = [(m, mode) for mode in rec["modes"] for m in rec["modes"][mode]["models"]]
