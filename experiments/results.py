@@ -125,7 +125,10 @@ SUBSETS: dict[str, list[Job]] = {
     # (conf/ruler_grid_smollm2.yaml).
     + [Job("ruler/smollm2_grid", ("--config-name", "ruler_grid_smollm2"), 40, script="ruler_grid.py"),
        # The same at 4K and 8,000 tokens: hours, resumable (its journal keeps each finished cell).
-       Job("ruler/smollm2_grid_long", ("--config-name", "ruler_grid_smollm2_long"), 240, script="ruler_grid.py")],
+       Job("ruler/smollm2_grid_long", ("--config-name", "ruler_grid_smollm2_long"), 240, script="ruler_grid.py"),
+       # Top-p (top_p chosen on dev trials first) and compact + rerank beside them, where dense reached 50%.
+       *(Job(f"ruler/{name}", ("--config-name", "ruler_grid_smollm2_methods", *extra), minutes, script="ruler_grid.py")
+         for name, extra, minutes in (("calibration_smollm2", ("calibrate=true",), 20), ("smollm2_grid_methods", (), 15)))],
     "exactness": [Job("exactness/exactness", ("experiment=exactness",), 4)],
     # Decode over tiers: emulated links (share x depth x link) and the earlier tiers row (bench rows).
     "tiers": [Job("bench_tiers/bench", ("--rows", "tiers_link,tiers", "--out", "experiments/results/bench_tiers"), 30,
