@@ -61,6 +61,13 @@ def _needle(name, preset, length, trials, split, minutes, depths=DEPTHS10):
                                   f"experiment.split={split}", f"experiment.out_name={name}"), minutes)
 
 
+def _smollm2_trials(name: str) -> tuple[str, ...]:
+    """SmolLM2's needle trials: test, 2 per depth at 5 depths; dev (a knob to choose), 1 at 3 depths."""
+    if name.endswith("_dev"):
+        return "experiment.depths=[0.1,0.5,0.9]", "experiment.trials=1", "experiment.split=dev"
+    return f"experiment.depths={DEPTHS5}", "experiment.trials=2", "experiment.split=test"
+
+
 def _bpb(name, preset, contexts, split, minutes):
     return Job(f"perplexity/{name}", ("experiment=perplexity", f"sparse={preset}", f"experiment.contexts={contexts}",
                                       "experiment.windows=32", "experiment.scored=1024", f"experiment.split={split}",
@@ -91,21 +98,23 @@ SUBSETS: dict[str, list[Job]] = {
     # SmolLM2-135M-Instruct (the pretrained GGUF): chat-prompt needle on the same test trials, dense and sparse
     # up to 8000 tokens (its trained window is 8192: the prompt and the answer stay inside it), and int8 KV
     # against dense float32 on the trials they share (1K-4K).
-    "smollm2": [Job(f"needle/smollm2_{name}_test", ("model=smollm2_135m", "experiment=needle", *over,
-                                                    f"experiment.lengths={lengths}",
-                                                    f"experiment.depths={DEPTHS5}", "experiment.trials=2",
-                                                    "experiment.split=test", f"experiment.out_name=smollm2_{name}_test"),
-                    minutes)
+    "smollm2": [Job(f"needle/smollm2_{name}", ("model=smollm2_135m", "experiment=needle", *over,
+                                               f"experiment.lengths={lengths}", *_smollm2_trials(name),
+                                               f"experiment.out_name=smollm2_{name}"), minutes)
                 for name, over, lengths, minutes in (
-                    ("dense", ("sparse=off",), "[1024,2048,4096,8000]", 35),
-                    ("quest1024", ("sparse=quest", "engine.sparse.budget=1024"), "[1024,2048,4096,8000]", 35),
+                    ("dense_test", ("sparse=off",), "[1024,2048,4096,8000]", 35),
+                    ("quest1024_test", ("sparse=quest", "engine.sparse.budget=1024"), "[1024,2048,4096,8000]", 35),
                     # Budgets 512 and 2048 (2048 covers the whole context at 1K and 2K: only 4K and 8,000).
-                    ("quest512", ("sparse=quest", "engine.sparse.budget=512"), "[1024,2048,4096,8000]", 35),
-                    ("quest2048", ("sparse=quest", "engine.sparse.budget=2048"), "[4096,8000]", 25),
+                    ("quest512_test", ("sparse=quest", "engine.sparse.budget=512"), "[1024,2048,4096,8000]", 35),
+                    ("quest2048_test", ("sparse=quest", "engine.sparse.budget=2048"), "[4096,8000]", 25),
                     # Mean digests (chosen on dev trials: needle_diagnose) where minmax fails, at the same budget.
-                    ("quest1024_mean", ("sparse=quest", "engine.sparse.budget=1024", "engine.sparse.digest=mean"),
+                    ("quest1024_mean_test", ("sparse=quest", "engine.sparse.budget=1024", "engine.sparse.digest=mean"),
                      "[4096,8000]", 25),
-                    ("int8_dense", ("sparse=off", "engine.cache.dtype=int8"), "[1024,2048,4096]", 15))]
+                    ("int8_dense_test", ("sparse=off", "engine.cache.dtype=int8"), "[1024,2048,4096]", 15),
+                    # Past its trained window: compact positions + rerank, the preset's budget (1536, tuned on
+                    # the 2K-trained tiny model) and one that fills half of SmolLM2's 8K window (dev trials).
+                    ("rerank16k_b1536_dev", ("sparse=extrapolate_rerank",), "[16384]", 9),
+                    ("rerank16k_b4096_dev", ("sparse=extrapolate_rerank", "engine.sparse.budget=4096"), "[16384]", 9))]
     # Bits per byte on held-out text (windows of 2048 tokens, the last 256 scored), float32 KV and the two
     # quantized ones on the same windows: paired per window by results_tables.smollm2_bpb_block.
     + [Job(f"perplexity/smollm2_bpb_{tag}_test", ("model=smollm2_135m", "experiment=perplexity", "sparse=off",

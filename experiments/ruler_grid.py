@@ -13,7 +13,6 @@ ruler/{calibration_name}.{json,md}, which the grid reads its top_p from when top
 
 from __future__ import annotations
 
-import json
 import os
 
 import hydra
@@ -34,8 +33,8 @@ from gemini_jax.eval.trials import Draw
 from gemini_jax.config import EngineConfig
 from gemini_jax.data import corpus
 from gemini_jax.hydra_schema import build, one_line_errors
-from gemini_jax.eval.ruler_grid import (calibration_markdown, calibration_name, choose_top_p, grid_markdown, summary,
-                                        tasks_of)
+from gemini_jax.eval.ruler_grid import (calibration_markdown, calibration_name, choose_top_p, grid_markdown, read_top_p,
+                                        summary, tasks_of)
 from run import ROOT, emulate_hardware  # this script's directory is on sys.path
 
 
@@ -204,22 +203,7 @@ def calibrate(cfg, journal: CellJournal) -> dict:
 
 
 def calibrated_top_p(cfg) -> tuple[float, str]:
-    """(top_p, where it came from); (None, ...) when no mode reads it."""
-    if not (cfg.modes.get("topp") and cfg.modes.topp.models and cfg.modes.topp.lengths):
-        return None, "not used: the grid runs no top-p mode"
-    if cfg.top_p is not None:
-        return float(cfg.top_p), "set on the command line"
-    path = os.path.join(in_checkout(cfg.results_dir), "ruler", f"{calibration_name(cfg)}.json")
-    if not os.path.exists(path):
-        raise ConfigError(f"top_p is null and {path} does not exist: run `python experiments/ruler_grid.py "
-                          f"calibrate=true` (dev trials) or give top_p=...")
-    with open(path) as fh:
-        rec = json.load(fh)
-    want = {k: int(cfg[k]) for k in ("fixed_budget", "topp_max_budget", "topp_min_budget")}
-    have = {k: int(rec["config"][k]) for k in want}
-    if want != have:
-        raise ConfigError(f"the calibration record was chosen for {have}, this grid asks {want}; rerun calibrate=true.")
-    return float(rec["outcome"]["top_p"]), f"chosen on dev trials ({os.path.relpath(path, ROOT)})"
+    return read_top_p(cfg, in_checkout(cfg.results_dir), ROOT)
 
 
 @hydra.main(version_base=None, config_path="../conf", config_name="ruler_grid")

@@ -6,9 +6,13 @@ digest_bytes_per_token}."""
 
 from __future__ import annotations
 
+import json
+import os
+
 import numpy as np
 
 from gemini_jax.data import ruler as suite
+from gemini_jax.errors import ConfigError
 
 MODE_NAMES = {"dense": "dense", "fixed": "sparse fixed", "topp": "sparse top-p", "compact_rerank": "compact + rerank"}
 RETRIEVAL_GOAL = 0.9  # the retrained model, dense at 1K, on every retrieval task
@@ -92,6 +96,26 @@ def tasks_of(cfg, part=None) -> list[str]:
 def calibration_name(cfg) -> str:
     """The calibration record's name under ruler/ (one per model the top-p mode runs)."""
     return str(cfg.get("calibration_name") or "calibration")
+
+
+def read_top_p(cfg, results_dir: str, root: str) -> tuple[float, str]:
+    """(top_p, where it came from) for a grid config: set on the command line, or read from its
+    calibration record under `results_dir` (shown relative to `root`); (None, ...) when no mode reads it."""
+    if not (cfg.modes.get("topp") and cfg.modes.topp.models and cfg.modes.topp.lengths):
+        return None, "not used: the grid runs no top-p mode"
+    if cfg.top_p is not None:
+        return float(cfg.top_p), "set on the command line"
+    path = os.path.join(results_dir, "ruler", f"{calibration_name(cfg)}.json")
+    if not os.path.exists(path):
+        raise ConfigError(f"top_p is null and {path} does not exist: run `python experiments/ruler_grid.py "
+                          f"calibrate=true` (dev trials) or give top_p=...")
+    with open(path) as fh:
+        rec = json.load(fh)
+    want = {k: int(cfg[k]) for k in ("fixed_budget", "topp_max_budget", "topp_min_budget")}
+    have = {k: int(rec["config"][k]) for k in want}
+    if want != have:
+        raise ConfigError(f"the calibration record was chosen for {have}, this grid asks {want}; rerun calibrate=true.")
+    return float(rec["outcome"]["top_p"]), f"chosen on dev trials ({os.path.relpath(path, root)})"
 
 
 def grid_markdown(rec: dict) -> str:
