@@ -15,6 +15,7 @@ import os
 import re
 
 from gemini_jax.eval.intervals import mean_t95, paired_difference, wilson
+from gemini_jax.eval.ruler_grid import MODE_NAMES as RULER_MODES, with_columns
 
 # docs/architecture.md §9: every committed result records these
 REQUIRED = ("command", "config", "commit", "split", "seeds")
@@ -617,13 +618,14 @@ def encoders_block(results_dir: str) -> str:
             f"commit `{rec['commit'][:7]}`."])
 
 
-RULER_MODES = {"dense": "dense", "fixed": "sparse fixed", "topp": "sparse top-p", "compact_rerank": "compact + rerank"}
-
-
-def ruler_block(results_dir: str, record: str = "ruler/grid", subset: str = "ruler") -> str:
-    rec, cal = _load(results_dir, record), _load(results_dir, "ruler/calibration")
+def ruler_block(results_dir: str, record: str = "ruler/grid", subset: str = "ruler", more: str | None = None,
+                calibration: str = "ruler/calibration") -> str:
+    """The grid `record` as one table, `more` (other modes on the same trials) as more columns."""
+    rec, cal = _load(results_dir, record), _load(results_dir, calibration)
     if rec is None:
         return _missing(subset)
+    extra = _load(results_dir, more) if more else None
+    rec = rec if extra is None else with_columns(rec, extra)
     cells = rec["cells"]
     cols = list(dict.fromkeys((c["model"], c["mode"]) for c in cells))
     lengths = {col: sorted({c["length"] for c in cells if (c["model"], c["mode"]) == col}) for col in cols}
@@ -634,6 +636,7 @@ def ruler_block(results_dir: str, record: str = "ruler/grid", subset: str = "rul
     for task in dict.fromkeys(c["task"] for c in cells):
         rows.append(f"| {task} | " + " | ".join(" · ".join(f"{by[(m, mode, task, L)]['hits']}" for L in lengths[(m, mode)])
                                                + f" of {by[(m, mode, task, lengths[(m, mode)][0])]['trials']}"
+                                               if (m, mode, task, lengths[(m, mode)][0]) in by else "—"
                                                for m, mode in cols) + " |")
     s = rec["summary"]
     mark = {True: "✓", False: "✗", None: "—"}
@@ -655,7 +658,8 @@ def ruler_block(results_dir: str, record: str = "ruler/grid", subset: str = "rul
             + ", ".join(f"{t} {tv[t]['topp'][0]}/{tv[t]['topp'][1]} vs {tv[t]['fixed'][0]}/{tv[t]['fixed'][1]} "
                         f"({tv[t]['topp_kv_bytes'] / 1024:.0f} vs {tv[t]['fixed_kv_bytes'] / 1024:.0f} KiB/token)"
                         for t in told)
-            + f": {len(good)} of {len(told)} {'✓' if len(good) >= 5 else '✗'}")
+            + (f": {len(good)} of {len(told)} {'✓' if len(good) >= 5 else '✗'}" if subset == "ruler" else
+               f" (no goal set): as accurate on {len(good)} of {len(told)}"))
         notes.append(f"  Both modes score 0 on {', '.join(t for t in tv if t not in told)}: those tasks compare "
                      "nothing and are not counted.")
     for task, modes in s.get("aggregation", {}).items():
@@ -672,17 +676,19 @@ def ruler_block(results_dir: str, record: str = "ruler/grid", subset: str = "rul
     if rec["top_p"]["value"] is None:
         src = "no top-p mode"
     elif cal is not None and rec["top_p"]["source"].startswith("chosen"):
-        src = f"top_p {rec['top_p']['value']:g}, chosen on dev trials ({_link('ruler/calibration')}, commit `{cal['commit'][:7]}`)"
+        src = f"top_p {rec['top_p']['value']:g}, chosen on dev trials ({_link(calibration)}, commit `{cal['commit'][:7]}`)"
     else:
         src = f"top_p {rec['top_p']['value']:g} ({rec['top_p']['source']})"
-    notes.append(f"- {rec['split']} trials; {src}. Per cell: {_link(record)}, commit `{rec['commit'][:7]}`.")
+    notes.append(f"- {rec['split']} trials; {src}. Per cell: {_link(record)}, commit `{rec['commit'][:7]}`"
+                 + (f"; {_link(more)}, commit `{extra['commit'][:7]}`." if extra is not None else "."))
     return "\n".join(rows + notes)
 
 
 def smollm2_ruler_block(results_dir: str) -> str:
     """The grid on SmolLM2-135M-Instruct (conf/ruler_grid_smollm2.yaml): tasks through its chat template;
     below it the 4K / 8,000-token grid (conf/ruler_grid_smollm2_long.yaml) once its record is written."""
-    out = ruler_block(results_dir, "ruler/smollm2_grid", "smollm2")
+    out = ruler_block(results_dir, "ruler/smollm2_grid", "smollm2", more="ruler/smollm2_grid_methods",
+                      calibration="ruler/calibration_smollm2")
     if _load(results_dir, "ruler/smollm2_grid_long") is not None:
         out += "\n\n" + ruler_block(results_dir, "ruler/smollm2_grid_long", "smollm2")
     return out

@@ -171,3 +171,34 @@ def test_the_retrained_model_ships_small_and_loads_checked():
     assert card["train_config"]["mix"]["ruler"] > 0 and card["step"] >= 1
     model = tiny.load_tiny_ruler()  # the weights' sha256 is checked against the card on load
     assert model.cfg == tiny.load_tiny().cfg
+
+
+def test_smollm2_block_shows_the_methods_record_as_more_columns_on_the_same_trials(tmp_path):
+    """The SmolLM2 block joins ruler/smollm2_grid (dense, fixed: every task) and
+    ruler/smollm2_grid_methods (top-p, compact + rerank: two tasks) into one table; a task a mode did
+    not run shows "—", the methods count where dense works, and top-p vs fixed is set no goal."""
+    rng = np.random.default_rng(11)
+    tasks = ["niah_single", "niah_multikey", "vt"]
+    base = [_cell("smollm2", m, t, L, int(rng.integers(0, 6)), trials=5) for m in ("dense", "fixed") for t in tasks
+            for L in (1024, 2048)]
+    base[0]["hits"], base[0]["accuracy"] = 5, 1.0  # dense niah_single 1K works
+    more = [_cell("smollm2", m, t, L, int(rng.integers(0, 6)), trials=5, kv=512.0)
+            for m in ("topp", "compact_rerank") for t in tasks[:2] for L in (1024, 2048)]
+    os.makedirs(tmp_path / "ruler")
+    for name, cells, top_p in (("smollm2_grid", base, None), ("smollm2_grid_methods", more, 0.8)):
+        rec = {"cells": cells, "commit": "a" * 40, "split": "test", "summary": rg.summary(cells, tasks),
+               "top_p": {"value": top_p, "source": "set on the command line" if top_p else "not used"}}
+        (tmp_path / "ruler" / f"{name}.json").write_text(json.dumps(rec))
+    block = rt.smollm2_ruler_block(str(tmp_path))
+    head, _, *body = block.splitlines()
+    assert [h.strip() for h in head.split("|")[2:-1]] == [
+        "smollm2 dense (1K, 2K)", "smollm2 sparse fixed (1K, 2K)", "smollm2 sparse top-p (1K, 2K)",
+        "smollm2 compact + rerank (1K, 2K)"], f"seed 11: {head}"
+    vt = next(r for r in body if r.startswith("| vt |"))
+    assert vt.count("—") == 2, f"seed 11: {vt}"
+    works = next(r for r in body if r.startswith("- Where dense reaches 50%"))
+    top = next(c for c in more if (c["mode"], c["task"], c["length"]) == ("topp", "niah_single", 1024))
+    assert f"sparse top-p {top['hits']}/5" in works and "compact + rerank" in works, f"seed 11: {works}"
+    assert "smollm2_grid_methods" in block and "top_p 0.8" in block
+    topp = [r for r in body if r.startswith("- Sparse top-p as accurate")]
+    assert all("no goal set" in r and "✓" not in r and "✗" not in r for r in topp), f"seed 11: {topp}"

@@ -50,7 +50,7 @@ def summary(cells: list[dict], tasks: list[str]) -> dict:
             c = next((c for c in cells if (c["model"], c["mode"], c["task"], c["length"]) == ("tiny_ruler", "dense", task, 1024)), None)
             if c:
                 out["retrieval_1k"][task] = {"accuracy": c["accuracy"], "ci95": c["ci95"], "met": c["accuracy"] >= RETRIEVAL_GOAL}
-        f, p = pooled("tiny_ruler", "fixed", task), pooled("tiny_ruler", "topp", task)
+        f, p = pooled(primary, "fixed", task), pooled(primary, "topp", task)
         if f and p:
             # A task where both score 0 compares nothing (None); top-p reading more bytes is not a tie at equal bytes.
             told = p[0] + f[0] > 0
@@ -71,6 +71,13 @@ def summary(cells: list[dict], tasks: list[str]) -> dict:
     out["topp_goal_met"] = won >= TOPP_GOAL_TASKS if out["topp_vs_fixed"] else None
     out["retrieval_goal_met"] = all(v["met"] for v in out["retrieval_1k"].values()) if out["retrieval_1k"] else None
     return out
+
+
+def with_columns(rec: dict, extra: dict) -> dict:
+    """Grid record `rec` with `extra`'s cells (other modes on the same trials) as more columns: its
+    top_p, and the summary read off every cell."""
+    cells = rec["cells"] + extra["cells"]
+    return {**rec, "cells": cells, "top_p": extra["top_p"], "summary": summary(cells, list(dict.fromkeys(c["task"] for c in cells)))}
 
 
 def mark(ok) -> str:
