@@ -98,3 +98,30 @@ def test_same_outputs_compare_finds_a_changed_token_or_counter():
     assert by["fused"]["tokens_equal"] and list(by["fused"]["counters_differing"]) == ["kv_bytes_read"], rows
     assert by["fused"]["only_new"] == ["pages_selected"] and by["fused"]["timing_dependent"] == ["prefetch_hits"], rows
     assert "✗ kv_bytes_read" in "\n".join(lines), lines
+
+
+def test_host_work_ratios_pair_the_sides_and_cancel_what_all_resident_shares():
+    """gemini_jax.bench.host_work: per pair new / old, and new / old of each side's step over its own
+    all-resident step; a pair where the machine was 30% slower for the new side moves the first and
+    not the second."""
+    from gemini_jax.bench.host_work import VARIANTS, _markdown, pair_ratios
+
+    rng = np.random.default_rng(5)
+    sides = {"old": [], "new": []}
+    slow = [1.0, 1.3, 0.8]  # the machine's speed while the new side ran, per pair
+    extra = {n: 1.0 + 0.1 * (n == "tiered 10% depth 0") for n in VARIANTS}  # only one variant got slower
+    for load in slow:
+        base = {n: float(rng.uniform(2e-3, 8e-3)) for n in VARIANTS}
+        for side, f in (("old", lambda n: 1.0), ("new", lambda n, load=load: load * extra[n])):
+            sides[side].append({"step_seconds": {n: [base[n] * f(n)] * 3 for n in VARIANTS},
+                                "calls_per_step": {n: 1000.0 for n in VARIANTS},
+                                "tokens_equal_all_resident": {n: True for n in VARIANTS}})
+    r = pair_ratios(sides)
+    for name in VARIANTS:
+        assert r[name]["step"]["per_pair"] == pytest.approx([x * extra[name] for x in slow]), f"seed 5: {name}"
+        if name != "all-resident":
+            assert r[name]["vs_all_resident"]["median"] == pytest.approx(extra[name]), f"seed 5: {name}"
+    rec = {"sides": sides, "ratios": r, "head": "b" * 40, "base": "a" * 40, "command": "x", "seeds": [0, 1, 2],
+           "config": {"pairs": 3, "repeats": 3}}
+    row = next(line for line in _markdown(rec).splitlines() if line.startswith("| tiered 10% depth 0 |"))
+    assert "| 1.100 [1.100, 1.100] |" in row, f"seed 5: {row}"
