@@ -202,10 +202,6 @@ def calibrate(cfg, journal: CellJournal) -> dict:
             "model": model_name, "lengths": lengths, "trials_per_cell": trials, "tasks": tasks}
 
 
-def calibrated_top_p(cfg) -> tuple[float, str]:
-    return read_top_p(cfg, in_checkout(cfg.results_dir), ROOT)
-
-
 @hydra.main(version_base=None, config_path="../conf", config_name="ruler_grid")
 @one_line_errors
 def main(cfg: DictConfig) -> None:
@@ -228,7 +224,7 @@ def main(cfg: DictConfig) -> None:
         print(calibration_markdown(rec), end="")
         print(f"written {paths['md']}")
         return
-    top_p, source = calibrated_top_p(cfg)
+    top_p, source = read_top_p(cfg, in_checkout(cfg.results_dir), ROOT)
     modes = modes_of(cfg, top_p)
     draw = Draw(str(cfg.split), int(cfg.seed))
     trials = int(cfg.trials)

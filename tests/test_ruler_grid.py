@@ -32,6 +32,11 @@ def grid_cfg(**changes):
     return cfg
 
 
+def top_p_of(cfg):
+    """The grid's top_p as the script reads it (results_dir absolute here)."""
+    return rg.read_top_p(cfg, str(cfg.results_dir), ROOT)
+
+
 def test_config_errors_name_what_is_wrong():
     rg.check(grid_cfg())  # the shipped config passes
     cases = {"tasks": (["niah_single", "needle_soup"], "needle_soup"),
@@ -61,14 +66,14 @@ def test_top_p_is_the_candidate_closest_to_fixed_bytes_from_below():
 def test_grid_reads_top_p_from_a_matching_calibration_only(tmp_path):
     cfg = grid_cfg(results_dir=str(tmp_path))
     with pytest.raises(ConfigError, match="calibrate=true"):
-        rg.calibrated_top_p(cfg)
+        top_p_of(cfg)
     os.makedirs(tmp_path / "ruler")
     rec = {"config": {"fixed_budget": 256, "topp_max_budget": 512, "topp_min_budget": 64}, "outcome": {"top_p": 0.8}}
     (tmp_path / "ruler" / "calibration.json").write_text(json.dumps(rec))
-    assert rg.calibrated_top_p(cfg)[0] == 0.8
-    assert rg.calibrated_top_p(grid_cfg(results_dir=str(tmp_path), top_p=0.7)) == (0.7, "set on the command line")
+    assert top_p_of(cfg)[0] == 0.8
+    assert top_p_of(grid_cfg(results_dir=str(tmp_path), top_p=0.7)) == (0.7, "set on the command line")
     with pytest.raises(ConfigError, match="rerun calibrate=true"):
-        rg.calibrated_top_p(grid_cfg(results_dir=str(tmp_path), fixed_budget=128))
+        top_p_of(grid_cfg(results_dir=str(tmp_path), fixed_budget=128))
 
 
 def test_a_mode_and_the_calibration_may_name_their_own_tasks_and_record(tmp_path):
@@ -81,12 +86,12 @@ def test_a_mode_and_the_calibration_may_name_their_own_tasks_and_record(tmp_path
     rg.check(cfg)
     assert rg.tasks_of(cfg) == ["niah_single", "niah_multikey"] and len(cfg.tasks) == 7
     with pytest.raises(ConfigError, match="calibration_smollm2.json"):
-        rg.calibrated_top_p(cfg)
+        top_p_of(cfg)
     os.makedirs(tmp_path / "ruler")
     rec = {"config": {"fixed_budget": 256, "topp_max_budget": 512, "topp_min_budget": 64}, "outcome": {"top_p": 0.7}}
     (tmp_path / "ruler" / "calibration.json").write_text(json.dumps({**rec, "outcome": {"top_p": 0.9}}))
     (tmp_path / "ruler" / "calibration_smollm2.json").write_text(json.dumps(rec))
-    top_p, _ = rg.calibrated_top_p(cfg)
+    top_p, _ = top_p_of(cfg)
     assert top_p == 0.7  # its own record, not the shipped model's
     modes = rg.modes_of(cfg, top_p)
     assert sorted(modes) == ["compact_rerank", "topp"]
@@ -134,7 +139,7 @@ def test_one_cell_end_to_end_writes_a_record_the_readme_block_renders(tmp_path):
                  "top_p=0.9", "~modes.fixed", "~modes.topp", "~modes.compact_rerank", "modes.dense.models=[tiny]"]
     with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base=None):
         cfg = compose("ruler_grid", overrides=overrides)
-    journal = rg.open_journal(cfg, str(tmp_path), "grid", rg.calibrated_top_p(cfg)[0])
+    journal = rg.open_journal(cfg, str(tmp_path), "grid", top_p_of(cfg)[0])
     kept = {"model": "tiny", "mode": "dense", "task": "niah_single", "length": 1024, "trial": 0, "tokens": 1000,
             "answers": ["123"], "generated": "from the earlier run", "exact": False, "recall": 0.0}
     journal.add(("tiny", "dense", "sparse=off", "niah_single", 1024),
