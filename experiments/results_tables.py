@@ -140,7 +140,7 @@ def smollm2_needle_block(results_dir: str) -> str:
     float32, on the same test trials (chat prompts); below, the quantized-KV decisions on 300 pairs."""
     columns = {"dense": "dense", "quest512": "sparse, budget 512", "quest1024": "sparse, budget 1024",
                "quest2048": "sparse, budget 2048", "quest1024_mean": "sparse 1024, mean digests",
-               "int8_dense": "int8 KV, dense"}
+               "int8_dense": "int8 KV, dense", "rerank_b4096_mean": "compact + rerank 4096, mean digests"}
     recs = {name: _load(results_dir, f"needle/smollm2_{name}_test") for name in columns}
     if not any(recs.values()):
         return _missing("smollm2")
@@ -163,7 +163,8 @@ def smollm2_needle_block(results_dir: str) -> str:
     files = " / ".join(_link(f"needle/smollm2_{name}_test") for name, r in recs.items() if r)
     tail = [f"Test trials, 5 depths x 2 trials per context, the same prompts in every column (8000 tokens: the "
             f"prompt and its answer inside the model's 8K window); sparse columns are `sparse=quest` with dense "
-            f"prefill, budget in tokens (—: not run at that context, where the budget covers most of it); files "
+            f"prefill, budget in tokens (—: not run at that context, where the budget covers most of it); compact + "
+            f"rerank is `sparse=extrapolate_rerank` past the 8K window (sparse prefill, compact positions); files "
             f"{files}; commit(s) {_commits(recs.values())}."]
     if dense and int8:
         p = paired_needle(int8, dense)
