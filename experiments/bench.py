@@ -75,8 +75,7 @@ def machine_markdown(m: dict, bw: dict) -> str:
             ("python / platform", f"{m.get('python')} / {m.get('platform')}"),
             ("git", f"{m.get('git_commit')}{' (gemini_jax/ has uncommitted changes)' if m.get('gemini_jax_dirty') else ''}"),
             ("memory bandwidth (reference)", f"**{bw['reference_gbs']:.1f} GB/s** ({bw['reference']})"),
-            ("memory bandwidth (numpy copy)", f"{bw['numpy_copy_gbs']:.1f} GB/s"),
-            ]
+            ("memory bandwidth (numpy copy)", f"{bw['numpy_copy_gbs']:.1f} GB/s")]
     lines = ["| | |", "| --- | --- |"] + [f"| {k} | {v} |" for k, v in keys]
     return "\n".join(lines) + f"\n\nBandwidth measurement: {bw['method']}"
 

@@ -94,7 +94,8 @@ SUBSETS: dict[str, list[Job]] = {
         _bpb("bpb_extrapolate_dev", "extrapolate", "[2048,4096,8192,16384,32768]", "dev", 35),
         _bpb("bpb_dense_dev", "off", "[2048,4096,8192]", "dev", 12),
     ],
-    "fullstack": [Job("fullstack/make_run", (), 3)],
+    "fullstack": [Job("fullstack/make_run", (), 3),
+                  Job("fullstack/make_run_dense", ("engine.sparse.enabled=false", "experiment.out_name=make_run_dense"), 3)],
     # SmolLM2-135M-Instruct (the pretrained GGUF): chat-prompt needle on the same test trials, dense and sparse
     # up to 8000 tokens (its trained window is 8192: the prompt and the answer stay inside it), and int8 KV
     # against dense float32 on the trials they share (1K-4K).

@@ -249,12 +249,13 @@ def bpb_block(results_dir: str) -> str:
 
 
 def make_run_block(results_dir: str) -> str:
-    rec = _load(results_dir, "fullstack/make_run")
-    if rec is None:
+    recs = {n: r for n in ("make_run", "make_run_dense") if (r := _load(results_dir, f"fullstack/{n}"))}
+    if "make_run" not in recs:
         return _missing("fullstack")
-    rows = ["| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rec["table"].items()]
-    return "\n".join(rows + ["", f"From {_link('fullstack/make_run')}, commit `{rec['commit'][:7]}`, "
-                                 f"seed {rec['seeds'][0]}."])
+    rows = ["| | " + " | ".join(f"`{n}`" for n in recs) + " |", "|---|" + "---|" * len(recs)]
+    rows += [f"| {k} | " + " | ".join(str(r["table"].get(k, "—")) for r in recs.values()) + " |" for k in recs["make_run"]["table"]]
+    return "\n".join(rows + ["", f"From {' / '.join(_link('fullstack/' + n) for n in recs)}, commit(s) {_commits(recs.values())}, "
+                                 f"seed {recs['make_run']['seeds'][0]}; `make_run_dense`: the same job, `engine.sparse.enabled=false`."])
 
 
 def exactness_block(results_dir: str) -> str:
