@@ -119,7 +119,7 @@ SUBSETS: dict[str, list[Job]] = {
                     ("rerank16k_b4096_mean_dev", ("sparse=extrapolate_rerank", "engine.sparse.budget=4096",
                                                   "engine.sparse.digest=mean"), "[16384]", 11),
                     ("rerank_b4096_mean_test", ("sparse=extrapolate_rerank", "engine.sparse.budget=4096",
-                                                "engine.sparse.digest=mean"), "[16384,32768]", 100))]
+                                                "engine.sparse.digest=mean"), "[16384,32768]", 110))]
     # Bits per byte on held-out text (windows of 2048 tokens, the last 256 scored), float32 KV and the two
     # quantized ones on the same windows: paired per window by results_tables.smollm2_bpb_block.
     + [Job(f"perplexity/smollm2_bpb_{tag}_test", ("model=smollm2_135m", "experiment=perplexity", "sparse=off",
