@@ -45,12 +45,10 @@ def in_checkout(path: str) -> str:
 def check(cfg: DictConfig) -> None:
     """ConfigError for a grid that cannot run, before any model loads."""
     named = [*cfg.tasks, *tasks_of(cfg), *(t for m in cfg.modes.values() for t in tasks_of(cfg, m))]
-    unknown = sorted({t for t in named if t not in suite.TASKS})
-    if unknown:
+    if unknown := sorted({t for t in named if t not in suite.TASKS}):
         raise ConfigError(f"tasks {unknown} are not RULER-style tasks; choose from {list(suite.TASKS)}.")
     for name, mode in cfg.modes.items():
-        missing = [m for m in mode.models if m not in cfg.models]
-        if missing:
+        if missing := [m for m in mode.models if m not in cfg.models]:
             raise ConfigError(f"modes.{name}.models names {missing}, which `models` does not define ({list(cfg.models)}).")
     if int(cfg.trials) < 1 or int(cfg.batch) < 1:
         raise ConfigError(f"trials={cfg.trials} and batch={cfg.batch} must be positive.")
@@ -59,9 +57,8 @@ def check(cfg: DictConfig) -> None:
 
 
 def load_model(spec: str):
-    """(model, chat tokenizer or None, identity) of a `models` entry: a native checkpoint directory
-    (card + weights sha256), or `pretrained:<name>` (`gj.list_pretrained()`: the tasks are then
-    asked through the model's chat template)."""
+    """(model, chat tokenizer or None, identity) of a `models` entry: a native checkpoint directory (card +
+    weights sha256), or `pretrained:<name>` (`gj.list_pretrained()`: asked through its chat template)."""
     if spec.startswith("pretrained:"):
         name = spec.split(":", 1)[1]
         model, tok = gj.load_pretrained(name)
@@ -82,8 +79,7 @@ def haystack(name: str) -> np.ndarray:
 
 
 def engine_for(mode_overrides: list[str], longest: int, model, batch: int):
-    """An engine of the main job's config (conf/config.yaml) with `mode_overrides` applied, its
-    max_seq_len raised to fit `longest` tokens and the longest answer, max_batch to `batch`."""
+    """The main job's engine (conf/config.yaml) + `mode_overrides`, fitting `longest` tokens + an answer."""
     job = compose("config", overrides=[*mode_overrides, "experiment=ruler"])
     data = OmegaConf.to_container(job.engine, resolve=True)
     data["max_seq_len"] = max(int(data["max_seq_len"]), longest + 128)
@@ -110,8 +106,13 @@ def run_cells(cfg, named: tuple, mode: str, overrides: list[str], lengths: list[
                     records += done["records"]
                     bar.update(done["cell"]["trials"])
                     continue
-                eng = eng or engine_for(overrides, max(lengths), model, int(cfg.batch))
                 examples = [trial_example(hay, task, lengths, (i, t), draw, str(cfg.kind), tok) for t in range(trials)]
+                # a chat prompt is its length to within 3% (data.chat): hold 5% over, rebuild if one does not fit
+                longest = max([int(max(lengths) * 1.05)] + [len(e.prompt) for e in examples])
+                if eng is not None and longest + 128 > eng.config.max_seq_len:
+                    eng.close()
+                    eng = None
+                eng = eng or engine_for(overrides, longest, model, int(cfg.batch))
                 kv = digest = steps = 0.0
                 rows = []
                 for b in range(0, trials, int(cfg.batch)):
@@ -181,8 +182,7 @@ def modes_of(cfg, top_p: float | None) -> dict[str, dict]:
 
 
 def calibrate(cfg, journal: CellJournal) -> dict:
-    """Choose top_p on dev trials: fixed's mean KV bytes per token, then each candidate's; the
-    candidate closest to fixed's without passing it (none under: the cheapest)."""
+    """Choose top_p on dev trials: the candidate closest to fixed's KV bytes without passing them (choose_top_p)."""
     draw = Draw("dev", int(cfg.seed))
     trials = int(cfg.calibration_trials)
     lengths = [int(x) for x in cfg.calibration_lengths]
