@@ -135,14 +135,14 @@ SUBSETS: dict[str, list[Job]] = {
                                                 "experiment.split=test", f"experiment.out_name=smollm2_{tag}_pairs_test"), 30)
        for tag, over in (("f32", ()), ("int8", ("engine.cache.dtype=int8",)),
                          ("fp8", ("engine.cache.dtype=float8_e4m3fn",)))]
-    # The RULER-style tasks asked through its chat template, dense and sparse fixed at 1K and 2K tokens
-    # (conf/ruler_grid_smollm2.yaml).
+    # The RULER-style tasks through its chat template, dense and sparse fixed at 1K / 2K (conf/ruler_grid_smollm2.yaml)
     + [Job("ruler/smollm2_grid", ("--config-name", "ruler_grid_smollm2"), 40, script="ruler_grid.py"),
-       # The same at 4K and 8,000 tokens: hours, resumable (its journal keeps each finished cell).
+       # and at 4K / 8,000 tokens (hours, resumable: its journal keeps each finished cell); then top-p (top_p chosen
+       # on dev trials first) and compact + rerank beside each, on the cells where dense reached 50%.
        Job("ruler/smollm2_grid_long", ("--config-name", "ruler_grid_smollm2_long"), 240, script="ruler_grid.py"),
-       # Top-p (top_p chosen on dev trials first) and compact + rerank beside them, where dense reached 50%.
-       *(Job(f"ruler/{name}", ("--config-name", "ruler_grid_smollm2_methods", *extra), minutes, script="ruler_grid.py")
-         for name, extra, minutes in (("calibration_smollm2", ("calibrate=true",), 20), ("smollm2_grid_methods", (), 15)))],
+       *(Job(f"ruler/{name}", ("--config-name", f"ruler_grid_smollm2_methods{tail}", *extra), minutes, script="ruler_grid.py")
+         for name, tail, extra, minutes in (("calibration_smollm2", "", ("calibrate=true",), 20),
+                                            ("smollm2_grid_methods", "", (), 15), ("smollm2_grid_methods_long", "_long", (), 10)))],
     "exactness": [Job("exactness/exactness", ("experiment=exactness",), 4)],
     # Decode over tiers: emulated links (share x depth x link) and the earlier tiers row (bench rows).
     "tiers": [Job("bench_tiers/bench", ("--rows", "tiers_link,tiers", "--out", "experiments/results/bench_tiers"), 30,

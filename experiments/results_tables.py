@@ -688,11 +688,11 @@ def ruler_block(results_dir: str, record: str = "ruler/grid", subset: str = "rul
 
 def smollm2_ruler_block(results_dir: str) -> str:
     """The grid on SmolLM2-135M-Instruct (conf/ruler_grid_smollm2.yaml): tasks through its chat template;
-    below it the 4K / 8,000-token grid (conf/ruler_grid_smollm2_long.yaml) once its record is written."""
-    out = ruler_block(results_dir, "ruler/smollm2_grid", "smollm2", more="ruler/smollm2_grid_methods",
-                      calibration="ruler/calibration_smollm2")
+    below it the 4K / 8,000-token grid (conf/ruler_grid_smollm2_long.yaml, its methods record beside it)."""
+    cal = "ruler/calibration_smollm2"
+    out = ruler_block(results_dir, "ruler/smollm2_grid", "smollm2", "ruler/smollm2_grid_methods", cal)
     if _load(results_dir, "ruler/smollm2_grid_long") is not None:
-        out += "\n\n" + ruler_block(results_dir, "ruler/smollm2_grid_long", "smollm2")
+        out += "\n\n" + ruler_block(results_dir, "ruler/smollm2_grid_long", "smollm2", "ruler/smollm2_grid_methods_long", cal)
     return out
 
 
