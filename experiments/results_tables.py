@@ -656,7 +656,7 @@ def ruler_block(results_dir: str, record: str = "ruler/grid", subset: str = "rul
         fair = [t for t in told if tv[t]["topp_kv_bytes"] <= tv[t]["fixed_kv_bytes"]]
         good = [t for t in fair if tv[t]["topp"][0] * tv[t]["fixed"][1] >= tv[t]["fixed"][0] * tv[t]["topp"][1]]
         goal = subset == "ruler"  # the retrained model's grid sets the goal; others only compare
-        notes.append(
+        notes.append("- Sparse top-p against sparse fixed: no task compares them." if not told else
             f"- Sparse top-p as accurate as sparse fixed at no more KV bytes{', on ≥ 5 tasks' if goal else ''} (lengths pooled): "
             + ", ".join(f"{t} {tv[t]['topp'][0]}/{tv[t]['topp'][1]} vs {tv[t]['fixed'][0]}/{tv[t]['fixed'][1]} "
                         f"({tv[t]['topp_kv_bytes'] / 1024:.0f} vs {tv[t]['fixed_kv_bytes'] / 1024:.0f} KiB/token)"

@@ -30,6 +30,11 @@ def choose_top_p(rows: list[dict]) -> float:
     return min(rows[1:], key=lambda r: r["kv_bytes_per_token"])["top_p"]
 
 
+def primary_model(cells: list[dict]) -> str | None:
+    """The model whose cells the goals read: the retrained tiny model when present, else the grid's first."""
+    return "tiny_ruler" if any(c["model"] == "tiny_ruler" for c in cells) else (cells[0]["model"] if cells else None)
+
+
 def summary(cells: list[dict], tasks: list[str]) -> dict:
     """The goals read off the cells: the retrained model's dense retrieval at 1K, and top-p vs fixed."""
     def pooled(model, mode, task):
@@ -44,7 +49,7 @@ def summary(cells: list[dict], tasks: list[str]) -> dict:
          "modes": {c["mode"]: [c["hits"], c["trials"], c["kv_bytes_per_token"]] for c in cells
                    if (c["model"], c["task"], c["length"]) == (d["model"], d["task"], d["length"]) and c["mode"] != "dense"}}
         for d in cells if d["mode"] == "dense" and d["accuracy"] >= DENSE_WORKS]
-    primary = "tiny_ruler" if any(c["model"] == "tiny_ruler" for c in cells) else (cells[0]["model"] if cells else None)
+    primary = primary_model(cells)
     for task in tasks:
         if task in suite.RETRIEVAL:
             c = next((c for c in cells if (c["model"], c["mode"], c["task"], c["length"]) == ("tiny_ruler", "dense", task, 1024)), None)
@@ -160,8 +165,9 @@ def grid_markdown(rec: dict) -> str:
                                  f"({v['topp_kv_bytes'] / 1024:.0f} vs {v['fixed_kv_bytes'] / 1024:.0f} KiB/token)"
                                  for t, v in tv.items())
                      + f" → {s['topp_as_good_tasks']} of {len(tv)} {mark(s['topp_goal_met'])}")
+    who = {"tiny_ruler": "the retrained model"}.get(primary_model(cells), primary_model(cells))
     for task, modes in s["aggregation"].items():
-        lines.append(f"- {task} (aggregation), the retrained model, lengths pooled: "
+        lines.append(f"- {task} (aggregation), {who}, lengths pooled: "
                      + ", ".join(f"{MODE_NAMES.get(m, m)} {v['hits']}/{v['trials']} exact, recall {v['recall']:.2f}"
                                  for m, v in modes.items()))
     return "\n".join(lines) + "\n"
