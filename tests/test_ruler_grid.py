@@ -207,3 +207,14 @@ def test_smollm2_block_shows_the_methods_record_as_more_columns_on_the_same_tria
     assert "smollm2_grid_methods" in block and "top_p 0.8" in block
     topp = [r for r in body if r.startswith("- Sparse top-p as accurate")]
     assert all("no goal set" in r and "✓" not in r and "✗" not in r for r in topp), f"seed 11: {topp}"
+
+
+def test_a_grid_record_names_the_model_its_aggregation_lines_read():
+    """The committed records: the tiny model's grid speaks of the retrained model, SmolLM2's of smollm2."""
+    def aggregation_lines(name):
+        with open(os.path.join(ROOT, "experiments", "results", "ruler", f"{name}.json")) as fh:
+            md = rg.grid_markdown(json.load(fh))
+        return [line for line in md.splitlines() if "(aggregation)" in line]
+    tiny, smol = aggregation_lines("grid"), aggregation_lines("smollm2_grid_long")
+    assert tiny and all("the retrained model" in line for line in tiny), tiny
+    assert smol and all(", smollm2," in line and "retrained" not in line for line in smol), smol
