@@ -218,3 +218,11 @@ def test_a_grid_record_names_the_model_its_aggregation_lines_read():
     tiny, smol = aggregation_lines("grid"), aggregation_lines("smollm2_grid_long")
     assert tiny and all("the retrained model" in line for line in tiny), tiny
     assert smol and all(", smollm2," in line and "retrained" not in line for line in smol), smol
+
+
+def test_a_grid_block_where_no_task_compares_top_p_says_so():
+    """SmolLM2's 4K / 8,000 grid: top-p ran on one task, where both modes scored 0, so nothing compares."""
+    block = rt.smollm2_ruler_block(os.path.join(ROOT, "experiments", "results"))
+    long = block.split("\n\n| task |")[1]
+    assert "- Sparse top-p against sparse fixed: no task compares them." in long, long
+    assert "Both modes score 0 on niah_multikey" in long and " 0 of 0" not in long, long

@@ -165,7 +165,8 @@ def grid_markdown(rec: dict) -> str:
                                  f"({v['topp_kv_bytes'] / 1024:.0f} vs {v['fixed_kv_bytes'] / 1024:.0f} KiB/token)"
                                  for t, v in tv.items())
                      + f" → {s['topp_as_good_tasks']} of {len(tv)} {mark(s['topp_goal_met'])}")
-    who = {"tiny_ruler": "the retrained model"}.get(primary_model(cells), primary_model(cells))
+    who = primary_model(cells)
+    who = "the retrained model" if who == "tiny_ruler" else who
     for task, modes in s["aggregation"].items():
         lines.append(f"- {task} (aggregation), {who}, lengths pooled: "
                      + ", ".join(f"{MODE_NAMES.get(m, m)} {v['hits']}/{v['trials']} exact, recall {v['recall']:.2f}"
